@@ -1,0 +1,126 @@
+"""The serving engine: a bounded queue in front of one worker thread that runs batches.
+
+Requests that are waiting when the worker becomes free are taken together (up to
+``max_batch_size``) and run as one batch. The HTTP layer talks to the engine only through
+``submit``, which returns an async stream of events for one request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fovea.engine.hf_runner import HFBatchRunner
+from fovea.engine.request import EngineRequest, ErrorEvent, Event, FinishEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.errors import InvalidRequest, Overloaded
+from fovea.model.loader import LoadedModel
+from fovea.model.prompt import EncodedPrompt
+
+log = logging.getLogger("fovea.engine")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_batch_size: int = 16
+    max_queue: int = 256  # waiting requests beyond this are refused with 429
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_queue < 1:
+            raise ValueError("max_batch_size and max_queue must be positive")
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self.runner = HFBatchRunner(loaded)
+        self._queue: queue.Queue[EngineRequest | None] = queue.Queue(maxsize=self.config.max_queue)
+        self._thread: threading.Thread | None = None
+        self.running_batch = 0
+
+    # ---- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="fovea-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    # ---- requests -------------------------------------------------------------------
+    def check_fits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
+        need = len(prompt.input_ids) + params.max_tokens
+        if need > self.loaded.context_length:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt.input_ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{need} tokens exceed the model's context of {self.loaded.context_length}. "
+                "Lower max_tokens or shorten the prompt.",
+                code="context_length_exceeded", param="max_tokens")
+
+    async def generate(self, prompt: EncodedPrompt, params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[Event]:
+        """Stream the events of one request; cancel it if the consumer stops early."""
+        self.check_fits(prompt, params)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        request = EngineRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=prompt,
+            params=params,
+            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        )
+        try:
+            self._queue.put_nowait(request)
+        except queue.Full:
+            raise Overloaded(
+                f"{self.config.max_queue} requests are already waiting; retry shortly.") from None
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    return
+        finally:
+            request.cancelled.set()  # no-op when finished; stops work for a gone client
+
+    # ---- worker ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            while len(batch) < self.config.max_batch_size:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)  # stop after this batch
+                    break
+                batch.append(nxt)
+            batch = [r for r in batch if not r.cancelled.is_set()]
+            if not batch:
+                continue
+            self.running_batch = len(batch)
+            try:
+                self.runner.run(batch)
+            except Exception as exc:  # noqa: BLE001 - report to each request, keep serving
+                log.exception("batch of %d failed", len(batch))
+                for r in batch:
+                    r.emit(ErrorEvent(exc))
+            finally:
+                self.running_batch = 0

@@ -1,0 +1,170 @@
+"""Load a local Hugging Face LLaVA-family directory onto one device in one dtype.
+
+Nothing is downloaded: every transformers call uses ``local_files_only`` and fovea sets
+``HF_HUB_OFFLINE=1`` on import. A directory that cannot be served is refused up front
+with a ``ModelLoadError`` that names what is missing and how to fix it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+from fovea.errors import ModelLoadError
+
+log = logging.getLogger("fovea.model")
+
+SUPPORTED_MODEL_TYPES = {"llava": LlavaForConditionalGeneration}
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "fovea-shapes"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    name: str
+    model: LlavaForConditionalGeneration
+    processor: Any  # the model's own transformers processor (LlavaProcessor)
+    device: torch.device
+    dtype: torch.dtype
+    image_token_id: int
+    image_token: str
+    context_length: int
+    load_seconds: float
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.model.generation_config.eos_token_id
+        if ids is None:
+            ids = self.tokenizer.eos_token_id
+        return set(ids if isinstance(ids, list) else [ids])
+
+
+def default_model_dir() -> Path:
+    """The shipped demo model: in the source checkout, else under the working directory."""
+    for candidate in (DEMO_MODEL_DIR, Path.cwd() / "models" / "fovea-shapes"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    return DEMO_MODEL_DIR
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(
+            f"--device {name} was asked for but torch sees no CUDA GPU "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}). "
+            "Run `fovea doctor` to see why, or use --device cpu."
+        )
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name not in DTYPES:
+        raise ModelLoadError(f"--dtype {name!r} is not one of auto, {', '.join(DTYPES)}.")
+    return DTYPES[name]
+
+
+def inspect_model_dir(path: Path) -> dict:
+    """Check the directory holds a servable model; return its config.json."""
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {path} does not exist (pass --model DIR, a local "
+                             "Hugging Face-format model directory).")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path} is not a Hugging Face model directory: config.json is missing.")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {exc}.") from exc
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{path}: model_type {model_type!r} is not supported; fovea serves "
+            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (LLaVA-family) models."
+        )
+    missing = []
+    if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
+        missing.append("weights (model.safetensors or model.safetensors.index.json)")
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()):
+        missing.append("tokenizer (tokenizer.json or tokenizer.model)")
+    if not ((path / "preprocessor_config.json").is_file() or (path / "processor_config.json").is_file()):
+        missing.append("image processor (preprocessor_config.json)")
+    if not has_chat_template(path):
+        missing.append("chat template (chat_template.jinja, chat_template.json, or chat_template in tokenizer_config.json)")
+    if missing:
+        raise ModelLoadError(f"{path} cannot be served; missing: {'; '.join(missing)}.")
+    return config
+
+
+def has_chat_template(path: Path) -> bool:
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    for name in ("tokenizer_config.json", "processor_config.json"):
+        file = path / name
+        if file.is_file() and "chat_template" in json.loads(file.read_text()):
+            return True
+    return False
+
+
+def load_model(path: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    started = time.perf_counter()
+    path = Path(path) if path else default_model_dir()
+    path = path.expanduser().resolve()
+    config = inspect_model_dir(path)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    model_class = SUPPORTED_MODEL_TYPES[config["model_type"]]
+    try:
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        model = model_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"transformers could not load {path}: {exc}") from exc
+    # One device and one dtype for every parameter and buffer: the vision tower can never be
+    # left behind on another device or in another precision.
+    model.to(device=torch_device, dtype=torch_dtype).eval()
+    tokenizer = processor.tokenizer
+    image_token = getattr(processor, "image_token", None) or "<image>"
+    image_token_id = int(model.config.image_token_id)
+    if tokenizer.convert_tokens_to_ids(image_token) != image_token_id:
+        raise ModelLoadError(
+            f"{path}: the processor's image token {image_token!r} has id "
+            f"{tokenizer.convert_tokens_to_ids(image_token)} in the tokenizer, but the model "
+            f"expects image_token_id {image_token_id}. Fix config.json or the tokenizer."
+        )
+    text_config = model.config.text_config
+    loaded = LoadedModel(
+        path=path,
+        name=path.name,
+        model=model,
+        processor=processor,
+        device=torch_device,
+        dtype=torch_dtype,
+        image_token_id=image_token_id,
+        image_token=image_token,
+        context_length=int(getattr(text_config, "max_position_embeddings", 4096)),
+        load_seconds=time.perf_counter() - started,
+    )
+    log.info(
+        "loaded %s (%s, %.1f M parameters) on device=%s dtype=%s in %.1f s",
+        loaded.name, config["model_type"], sum(p.numel() for p in model.parameters()) / 1e6,
+        torch_device, str(torch_dtype).removeprefix("torch."), loaded.load_seconds,
+    )
+    return loaded
