@@ -1,0 +1,153 @@
+"""fovea's command line: serve | chat | doctor | eval-demo | train-demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from fovea.errors import FoveaError
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None,
+                        help="local Hugging Face-format model directory (default: the shipped demo model)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when a GPU is visible, else CPU), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fovea", description="Serve vision-language models; never ignore the image.")
+    parser.add_argument("--log-level", default=os.environ.get("FOVEA_LOG_LEVEL", "info"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
+    serve.add_argument("--max-batch-size", type=int, default=16)
+    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
+    serve.add_argument("--limit-images-per-prompt", type=int, default=4)
+    serve.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    serve.add_argument("--api-key", default=os.environ.get("FOVEA_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every route but /health (env FOVEA_API_KEY)")
+    serve.add_argument("--allowed-media-dir", action="append", default=[], type=Path,
+                       help="allow file:// image URLs under this directory (repeatable)")
+    serve.add_argument("--allowed-media-domains", action="append", default=[],
+                       help="allow http(s) image URLs from this host (repeatable; off by default)")
+    serve.add_argument("--allow-private-media-addresses", action="store_true",
+                       help="let allowed media hosts resolve to loopback/private addresses")
+    serve.add_argument("--max-image-bytes", type=int, default=None)
+    serve.add_argument("--max-image-pixels", type=int, default=None)
+
+    chat = sub.add_parser("chat", help="answer one question about one or more images and exit")
+    _model_args(chat)
+    chat.add_argument("--image", action="append", default=[], type=Path, help="image file (repeatable)")
+    chat.add_argument("--max-tokens", type=int, default=None)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("question")
+
+    sub.add_parser("eval-demo", help="held-out accuracy of a model on shape scenes (see --help)", add_help=False)
+    sub.add_parser("train-demo", help="train the demo model (see --help)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The demo tools own their flags; hand the rest of the line straight to them.
+    if argv and argv[0] == "eval-demo":
+        from fovea.demo.evaluate import main as eval_main
+        return eval_main(argv[1:])
+    if argv and argv[0] == "train-demo":
+        from fovea.demo.train import main as train_main
+        train_main(argv[1:])
+        return 0
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            return serve(args)
+        if args.command == "chat":
+            return chat(args)
+    except FoveaError as exc:
+        print(f"fovea: error: {exc.message}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from fovea.config import ServerSettings
+    from fovea.media.config import MediaConfig
+    from fovea.serve.app import create_app
+
+    media_kwargs = {}
+    if args.max_image_bytes:
+        media_kwargs["max_image_bytes"] = args.max_image_bytes
+    if args.max_image_pixels:
+        media_kwargs["max_image_pixels"] = args.max_image_pixels
+    settings = ServerSettings(
+        model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+        served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue, limit_images_per_prompt=args.limit_images_per_prompt,
+        max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+        media=MediaConfig(
+            allowed_media_dirs=tuple(args.allowed_media_dir),
+            allowed_media_domains=tuple(args.allowed_media_domains),
+            allow_private_addresses=args.allow_private_media_addresses,
+            **media_kwargs,
+        ),
+    )
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level.lower())
+    return 0
+
+
+def chat(args: argparse.Namespace) -> int:
+    from fovea.engine.engine import Engine
+    from fovea.engine.request import ErrorEvent, FinishEvent
+    from fovea.engine.sampling import SamplingParams
+    from fovea.media import decode_image_bytes
+    from fovea.media.config import MediaConfig
+    from fovea.model.loader import load_model
+    from fovea.model.prompt import encode_prompt, render_chat
+
+    loaded = load_model(args.model, args.device, args.dtype)
+    media = MediaConfig()
+    images = []
+    for path in args.image:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise FoveaError(f"cannot read image {path}: {exc.strerror}") from exc
+        images.append(decode_image_bytes(data, media))
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.question}]
+    prompt = encode_prompt(loaded, render_chat(loaded, [{"role": "user", "content": content}]), images)
+    room = loaded.context_length - len(prompt.input_ids)
+    params = SamplingParams(max_tokens=args.max_tokens or max(1, room), temperature=args.temperature, seed=args.seed)
+
+    async def run() -> str:
+        engine = Engine(loaded)
+        engine.start()
+        try:
+            async for event in engine.generate(prompt, params):
+                if isinstance(event, FinishEvent):
+                    return event.text
+                if isinstance(event, ErrorEvent):
+                    raise event.error
+            return ""
+        finally:
+            engine.stop()
+
+    print(asyncio.run(run()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

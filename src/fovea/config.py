@@ -1,0 +1,36 @@
+"""Server settings, validated once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fovea.media.config import MediaConfig
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    model: Path | None = None  # None: the shipped demo model
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"
+    dtype: str = "auto"
+    served_model_name: str | None = None
+    max_batch_size: int = 16
+    max_queue: int = 256
+    limit_images_per_prompt: int = 4
+    max_body_bytes: int = 32 * 1024 * 1024
+    api_key: str | None = None
+    media: MediaConfig = field(default_factory=MediaConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port} is not between 1 and 65535")
+        if self.max_batch_size < 1:
+            raise ValueError("--max-batch-size must be at least 1")
+        if self.max_queue < 1:
+            raise ValueError("--max-queue must be at least 1")
+        if self.limit_images_per_prompt < 0:
+            raise ValueError("--limit-images-per-prompt must be 0 or more")
+        if self.max_body_bytes < 1024:
+            raise ValueError("--max-body-bytes must be at least 1024")

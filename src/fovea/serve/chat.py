@@ -1,0 +1,90 @@
+"""POST /v1/chat/completions: OpenAI messages -> images + chat template -> the engine."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from fovea.errors import FoveaError, InvalidRequest
+from fovea.model.prompt import EncodedPrompt, encode_prompt, render_chat
+from fovea.serve.generation import respond
+from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart
+from fovea.serve.state import ServerState
+
+
+class TooManyImages(FoveaError):
+    status, code = 400, "too_many_images"
+
+
+class ModelNotFound(FoveaError):
+    status, code = 404, "model_not_found"
+
+
+def check_model_name(state: ServerState, name: str | None) -> None:
+    if name and name != state.model_name:
+        raise ModelNotFound(f"model {name!r} is not served here; this server serves {state.model_name!r} "
+                            "(GET /v1/models lists it).", param="model")
+
+
+def to_template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """transformers-style messages plus the (image reference, request path) of each image."""
+    out: list[dict[str, Any]] = []
+    images: list[tuple[str, str]] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if content is None:
+            if message.role != "assistant":
+                raise InvalidRequest(f"messages[{i}] has no content.", param=f"messages[{i}].content")
+            content = ""
+        if isinstance(content, str):
+            out.append({"role": message.role, "content": content})
+            continue
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(content):
+            if isinstance(part, ImageURLPart):
+                if message.role != "user":
+                    raise InvalidRequest(f"messages[{i}] is a {message.role} message; images may only be "
+                                         "sent in user messages.", param=f"messages[{i}].content[{j}]")
+                images.append((part.image_url.url, f"messages[{i}].content[{j}]"))
+                parts.append({"type": "image"})
+            else:
+                parts.append({"type": "text", "text": part.text})
+        out.append({"role": message.role, "content": parts})
+    return out, images
+
+
+async def load_images(state: ServerState, refs: list[tuple[str, str]]) -> list:
+    limit = state.settings.limit_images_per_prompt
+    if len(refs) > limit:
+        raise TooManyImages(f"the request carries {len(refs)} images; this server accepts at most {limit} "
+                            "per prompt (--limit-images-per-prompt).", param=refs[limit][1])
+
+    async def one(ref: str, where: str):
+        try:
+            return await state.resolver.aload(ref)
+        except FoveaError as exc:
+            exc.param = where
+            raise
+
+    return list(await asyncio.gather(*(one(ref, where) for ref, where in refs)))
+
+
+async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest) -> EncodedPrompt:
+    messages, refs = to_template_messages(req.messages)
+    images = await load_images(state, refs)
+    loaded = state.loaded
+    return await asyncio.to_thread(lambda: encode_prompt(loaded, render_chat(loaded, messages), images))
+
+
+def make_chat_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        check_model_name(state, req.model)
+        prompt = await build_chat_prompt(state, req)
+        return await respond(state, req, prompt)
+
+    return router

@@ -1,0 +1,67 @@
+"""Every failure becomes an OpenAI-style JSON error; nothing escapes as a bare 500 page."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fovea.errors import FoveaError
+
+log = logging.getLogger("fovea.serve")
+
+_HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def error_body(message: str, code: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first schema error as one sentence plus the dotted path of the offending field."""
+    errors = exc.errors()
+    if not errors:
+        return "the request body is invalid", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Drop pydantic's union-member names ("TextPart", "str") from the path.
+    path = [p for p in loc if not (p[:1].isupper() or p in {"str", "list[...]", "function-after"})]
+    param = ""
+    for part in path:
+        param += f"[{part}]" if part.isdigit() else (f".{part}" if param else part)
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    if first.get("type") == "missing":
+        return f"{param or 'a field'} is required", param or None
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return f"{param or 'request'}: {message}{more}", param or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(FoveaError)
+    async def _fovea(request: Request, exc: FoveaError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return JSONResponse(exc.to_body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        return JSONResponse(error_body(str(exc.detail), code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(
+            error_body("internal error; the server logged the details", "internal_error", type_="server_error"),
+            status_code=500,
+        )

@@ -1,0 +1,81 @@
+"""Run an encoded prompt through the engine and answer as JSON or as a server-sent stream."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.errors import FoveaError
+from fovea.model.prompt import EncodedPrompt
+from fovea.serve import protocol
+from fovea.serve.protocol import SamplingFields
+from fovea.serve.state import ServerState
+
+
+class EngineFailure(FoveaError):
+    status, code, type = 500, "engine_error", "server_error"
+
+
+def sampling_params(state: ServerState, req: SamplingFields, prompt: EncodedPrompt) -> SamplingParams:
+    room = state.loaded.context_length - len(prompt.input_ids)
+    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, room)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=state.default_temperature if req.temperature is None else req.temperature,
+        top_p=state.default_top_p if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=list(req.stop or []),
+    )
+
+
+async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt,
+                  extra: dict | None = None) -> JSONResponse | StreamingResponse:
+    params = sampling_params(state, req, prompt)
+    state.engine.check_fits(prompt, params)  # 400 before any streaming starts
+    rid = protocol.completion_id()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(state, prompt, params, rid, include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    text, finish = "", None
+    async for event in state.engine.generate(prompt, params, rid):
+        if isinstance(event, FinishEvent):
+            finish = event
+        elif isinstance(event, ErrorEvent):
+            raise EngineFailure(f"generation failed: {type(event.error).__name__}: {event.error}")
+    assert finish is not None
+    text = finish.text
+    return JSONResponse(protocol.chat_response(rid, state.model_name, text, finish.finish_reason,
+                                               finish.prompt_tokens, finish.completion_tokens, extra))
+
+
+def _sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def _stream(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
+                  include_usage: bool) -> AsyncIterator[str]:
+    created, model = int(time.time()), state.model_name
+    yield _sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+    async for event in state.engine.generate(prompt, params, rid):
+        if isinstance(event, TokenEvent):
+            if event.text:
+                yield _sse(protocol.chat_chunk(rid, model, created, {"content": event.text}))
+        elif isinstance(event, FinishEvent):
+            yield _sse(protocol.chat_chunk(rid, model, created, {}, event.finish_reason))
+            if include_usage:
+                chunk = protocol.chat_chunk(rid, model, created, {})
+                chunk["choices"] = []
+                chunk["usage"] = protocol.usage(event.prompt_tokens, event.completion_tokens)
+                yield _sse(chunk)
+        elif isinstance(event, ErrorEvent):
+            failure = EngineFailure(f"generation failed: {type(event.error).__name__}: {event.error}")
+            yield _sse(failure.to_body())
+    yield _sse("[DONE]")
