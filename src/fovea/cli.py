@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("question")
 
+    doctor = sub.add_parser("doctor", help="check the machine (and model) for what silently breaks VLM serving")
+    doctor.add_argument("--model", type=Path, default=None, help="model directory (default: the demo model)")
+    doctor.add_argument("--device", default="auto")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+
     sub.add_parser("eval-demo", help="held-out accuracy of a model on shape scenes (see --help)", add_help=False)
     sub.add_parser("train-demo", help="train the demo model (see --help)", add_help=False)
     return parser
@@ -74,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             return serve(args)
         if args.command == "chat":
             return chat(args)
+        if args.command == "doctor":
+            return doctor(args)
     except FoveaError as exc:
         print(f"fovea: error: {exc.message}", file=sys.stderr)
         return 2
@@ -107,6 +114,15 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level.lower())
     return 0
+
+
+def doctor(args: argparse.Namespace) -> int:
+    from fovea.guard.checks import exit_code, render_json, render_text
+    from fovea.guard.doctor import doctor_checks
+
+    checks = doctor_checks(args.model, args.device)
+    print(render_json(checks) if args.json else render_text(checks))
+    return exit_code(checks)
 
 
 def chat(args: argparse.Namespace) -> int:

@@ -25,10 +25,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "the request body is invalid", None
-    first = errors[0]
+    # With unions (content: str | list[part]) pydantic reports one error per branch; the
+    # deepest one is the branch the client meant.
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Drop pydantic's union-member names ("TextPart", "str") from the path.
-    path = [p for p in loc if not (p[:1].isupper() or p in {"str", "list[...]", "function-after"})]
+    # Drop pydantic's union-branch labels ("TextPart", "str", "list[...]") from the path.
+    path = [p for p in loc if p.isdigit() or (p.isidentifier() and not p[:1].isupper() and p not in {"str", "int"})]
     param = ""
     for part in path:
         param += f"[{part}]" if part.isdigit() else (f".{part}" if param else part)
