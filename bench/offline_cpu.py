@@ -1,0 +1,132 @@
+"""Caption latency and batch throughput without HTTP: fovea's engine vs transformers' generate.
+
+    python bench/offline_cpu.py [--model DIR] [--requests 40] [--batch 8]
+
+Same scenes, same greedy decoding, same process, so the two columns differ only in the
+generation loop. Together with bench/http_load.py it shows what the HTTP layer costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+import torch
+
+from fovea.demo import scenes
+from fovea.engine.engine import Engine, EngineConfig
+from fovea.engine.request import FinishEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.model.loader import load_model
+from fovea.model.prompt import encode_prompt, render_chat
+
+QUESTION = [{"type": "image"}, {"type": "text", "text": "Describe the image."}]
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--requests", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for both columns")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model, "cpu", "float32")
+    torch.set_num_threads(args.threads)
+    images = [scenes.render(scenes.SceneSampler().sample(random.Random(90_000 + i))) for i in range(args.requests)]
+    text = render_chat(loaded, [{"role": "user", "content": QUESTION}])
+
+    def encode(image):
+        return encode_prompt(loaded, text, [image])
+
+    # transformers: processor + generate, one request at a time, then static batches.
+    hf_single = []
+    for image in images:
+        started = time.perf_counter()
+        p = encode(image)
+        ids = torch.tensor([p.input_ids])
+        with torch.no_grad():
+            loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=p.pixel_values,
+                                  max_new_tokens=48, do_sample=False)
+        hf_single.append(time.perf_counter() - started)
+    processor = loaded.processor
+    processor.tokenizer.padding_side = "left"
+    started = time.perf_counter()
+    hf_tokens = 0
+    for i in range(0, len(images), args.batch):
+        chunk = images[i:i + args.batch]
+        enc = processor(text=[text] * len(chunk), images=chunk, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = loaded.model.generate(**enc, max_new_tokens=48, do_sample=False)
+        new = out[:, enc["input_ids"].shape[1]:]
+        hf_tokens += int((new != processor.tokenizer.pad_token_id).sum())
+    hf_batch_s = time.perf_counter() - started
+
+    # fovea: the serving engine; the same static batches as generate; then closed-loop clients.
+    async def fovea_static() -> tuple[float, int]:
+        engine = Engine(loaded, EngineConfig(max_batch_size=args.batch, cpu_threads=args.threads))
+        engine.start()
+        tokens = 0
+
+        async def one(prompt) -> int:
+            async for event in engine.generate(prompt, SamplingParams(max_tokens=48, temperature=0)):
+                if isinstance(event, FinishEvent):
+                    return event.completion_tokens
+            return 0
+
+        t = time.perf_counter()
+        for i in range(0, len(images), args.batch):
+            prompts = [encode(image) for image in images[i:i + args.batch]]
+            tokens += sum(await asyncio.gather(*(one(p) for p in prompts)))
+        wall = time.perf_counter() - t
+        engine.stop()
+        return wall, tokens
+
+    async def fovea_run(concurrency: int) -> tuple[list[float], float, int]:
+        engine = Engine(loaded, EngineConfig(max_batch_size=concurrency, cpu_threads=args.threads))
+        engine.start()
+        latencies: list[float] = []
+        tokens = 0
+        queue = list(images)
+
+        async def worker() -> None:
+            nonlocal tokens
+            while queue:
+                image = queue.pop()
+                t0 = time.perf_counter()
+                prompt = await asyncio.to_thread(encode, image)
+                async for event in engine.generate(prompt, SamplingParams(max_tokens=48, temperature=0)):
+                    if isinstance(event, FinishEvent):
+                        tokens += event.completion_tokens
+                latencies.append(time.perf_counter() - t0)
+
+        t = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t
+        engine.stop()
+        return latencies, wall, tokens
+
+    fv_single, _, _ = asyncio.run(fovea_run(1))
+    fv_static_s, fv_static_tokens = asyncio.run(fovea_static())
+    _, fv_wall, fv_tokens = asyncio.run(fovea_run(args.batch))
+
+    print(f"{loaded.name} on cpu, {torch.get_num_threads()} threads, {args.requests} caption requests")
+    print(f"{'':<34}{'transformers':>14}{'fovea engine':>14}")
+    print(f"{'single p50 ms':<34}{1000 * statistics.median(hf_single):>14.1f}{1000 * statistics.median(fv_single):>14.1f}")
+    print(f"{'single p95 ms':<34}{1000 * pct(hf_single, 0.95):>14.1f}{1000 * pct(fv_single, 0.95):>14.1f}")
+    print(f"{f'static batches of {args.batch}, req/s':<34}{args.requests / hf_batch_s:>14.1f}{args.requests / fv_static_s:>14.1f}")
+    print(f"{f'static batches of {args.batch}, tok/s':<34}{hf_tokens / hf_batch_s:>14.1f}{fv_static_tokens / fv_static_s:>14.1f}")
+    print(f"{f'{args.batch} closed-loop clients, req/s':<34}{'-':>14}{args.requests / fv_wall:>14.1f}")
+    print(f"{f'{args.batch} closed-loop clients, tok/s':<34}{'-':>14}{fv_tokens / fv_wall:>14.1f}")
+
+
+if __name__ == "__main__":
+    main()
