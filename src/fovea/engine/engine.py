@@ -13,11 +13,12 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
 
+from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.hf_runner import HFBatchRunner
 from fovea.engine.request import EngineRequest, ErrorEvent, Event, FinishEvent
 from fovea.engine.sampling import SamplingParams
@@ -36,6 +37,7 @@ class EngineConfig:
     # HTTP and image preprocessing; oversubscribed OpenMP threads spin and starve them
     # (measured on 2 cores: 8 clients got 7.9 req/s with 2 threads, 22 req/s with 1).
     cpu_threads: int | None = None
+    encoder_cache_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_queue < 1:
@@ -43,10 +45,12 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 on_vision_seconds: Callable[[float], None] | None = None) -> None:
         self.loaded = loaded
         self.config = config or EngineConfig()
-        self.runner = HFBatchRunner(loaded)
+        self.encoder_cache = EncoderCache(self.config.encoder_cache_bytes)
+        self.runner = HFBatchRunner(loaded, self.encoder_cache, on_vision_seconds)
         self._queue: queue.Queue[EngineRequest | None] = queue.Queue(maxsize=self.config.max_queue)
         self._thread: threading.Thread | None = None
         self.running_batch = 0
@@ -79,8 +83,8 @@ class Engine:
                 "Lower max_tokens or shorten the prompt.",
                 code="context_length_exceeded", param="max_tokens")
 
-    async def generate(self, prompt: EncodedPrompt, params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[Event]:
+    async def generate(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
+                       want_first_logprobs: bool = False) -> AsyncIterator[Event]:
         """Stream the events of one request; cancel it if the consumer stops early."""
         self.check_fits(prompt, params)
         loop = asyncio.get_running_loop()
@@ -90,6 +94,7 @@ class Engine:
             prompt=prompt,
             params=params,
             emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+            want_first_logprobs=want_first_logprobs,
         )
         try:
             self._queue.put_nowait(request)

@@ -1,27 +1,36 @@
-"""Run one batch of requests to completion through the transformers LLaVA forward.
+"""Run one batch of requests to completion through the transformers language model.
 
 This is the simple batching path: requests that arrive together are left-padded into one
-batch, prefilled in one forward (the vision tower runs inside it), then decoded a token at
-a time with a shared KV cache; finished rows are dropped from the cache as they finish.
+batch. Their images are encoded first (``model.vision.encode_images``, through the encoder
+cache) and scattered into the image-token positions of the prompt embeddings; the batch
+is prefilled in one forward and decoded a token at a time with a shared KV cache; finished
+rows are dropped from the cache as they finish.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
 
 from fovea.engine.detokenize import IncrementalDetokenizer
+from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent
 from fovea.engine.sampling import make_generator, sample_next
 from fovea.model.loader import LoadedModel
+from fovea.model.prompt import PlaceholderMismatch
+from fovea.model.vision import encode_images
 
 
 class HFBatchRunner:
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, encoder_cache: EncoderCache | None = None,
+                 on_vision_seconds: Callable[[float], None] | None = None) -> None:
         self.loaded = loaded
+        self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache()
+        self.on_vision_seconds = on_vision_seconds
         params = inspect.signature(loaded.model.forward).parameters
         # transformers renamed ``past_key_values`` to ``cache`` in later 5.x releases.
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -42,11 +51,13 @@ class HFBatchRunner:
             attention_mask[row, width - n:] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        images = [r.prompt.pixel_values for r in requests if r.prompt.pixel_values is not None]
-        pixel_values = torch.cat(images) if images else None
+        embeds = self.prompt_embeddings(requests, input_ids)
 
         cache = DynamicCache()
-        logits = self._forward(input_ids, attention_mask, position_ids, cache, pixel_values)
+        logits = self._forward(None, attention_mask, position_ids, cache, embeds)
+        for row, req in enumerate(requests):
+            if req.want_first_logprobs:
+                req.first_logprobs = torch.log_softmax(logits[row], dim=-1).cpu()
         detoks = [IncrementalDetokenizer(loaded.tokenizer, r.params.stop) for r in requests]
         generators = [make_generator(r.params, device) for r in requests]
         produced = [0] * len(requests)
@@ -90,10 +101,56 @@ class HFBatchRunner:
             step_ids = torch.tensor(next_tokens, device=device).unsqueeze(1)
             logits = self._forward(step_ids, attention_mask, last_pos.unsqueeze(1), cache, None)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache, pixel_values) -> torch.Tensor:
+    def image_embeddings(self, requests: list[EngineRequest]) -> dict[str, torch.Tensor]:
+        """Embeddings of every image in the batch: cached ones reused, the rest encoded together."""
+        found: dict[str, torch.Tensor] = {}
+        todo: dict[str, torch.Tensor] = {}
+        for req in requests:
+            for index, key in enumerate(req.prompt.image_hashes):
+                if key in found or key in todo:
+                    continue
+                cached = self.encoder_cache.get(key)
+                if cached is not None:
+                    found[key] = cached
+                else:
+                    todo[key] = req.prompt.pixel_values[index]
+        if todo:
+            started = time.perf_counter()
+            encoded = encode_images(self.loaded, torch.stack(list(todo.values())))
+            if self.loaded.device.type == "cuda":
+                torch.cuda.synchronize(self.loaded.device)
+            if self.on_vision_seconds:
+                self.on_vision_seconds(time.perf_counter() - started)
+            for key, rows in zip(todo, encoded):
+                self.encoder_cache.put(key, rows)
+                found[key] = rows
+        return found
+
+    def prompt_embeddings(self, requests: list[EngineRequest], input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings with each image's rows scattered into its placeholder positions."""
+        table = self.loaded.model.get_input_embeddings()
+        # Some checkpoints give the image token an id past the embedding table; its rows are
+        # overwritten below, so look up any valid id there.
+        embeds = table(input_ids.masked_fill(input_ids >= table.num_embeddings, 0))
+        images = self.image_embeddings(requests)
+        image_mask = input_ids == self.loaded.image_token_id
+        for row, req in enumerate(requests):
+            positions = image_mask[row].nonzero().squeeze(1)
+            rows = [images[key] for key in req.prompt.image_hashes]
+            supplied = sum(r.shape[0] for r in rows)
+            if supplied != positions.numel():
+                # The prompt was checked when it was built; this guards the hand-off itself.
+                raise PlaceholderMismatch(
+                    f"request {req.request_id}: {positions.numel()} image-token positions but "
+                    f"{supplied} image embedding rows", status=500)
+            if rows:
+                embeds[row, positions] = torch.cat(rows).to(embeds.dtype)
+        return embeds
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds) -> torch.Tensor:
         out = self.loaded.model(
             input_ids=input_ids,
-            pixel_values=pixel_values,
+            inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
@@ -114,4 +171,5 @@ class HFBatchRunner:
             completion_tokens=produced,
             first_token_s=first_token,
             total_s=time.perf_counter() - req.arrival,
+            first_logprobs=req.first_logprobs,
         ))

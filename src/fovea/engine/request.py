@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from fovea.engine.sampling import SamplingParams
 from fovea.model.prompt import EncodedPrompt
 
@@ -25,6 +27,7 @@ class FinishEvent:
     completion_tokens: int
     first_token_s: float | None  # seconds from arrival to the first token
     total_s: float
+    first_logprobs: torch.Tensor | None = None  # [vocab] log-probabilities of the first token, if asked
 
 
 @dataclass(slots=True)
@@ -43,3 +46,5 @@ class EngineRequest:
     emit: Callable[[Event], None]  # called from the engine thread; must not block
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    want_first_logprobs: bool = False  # for grounding scores and the canary's image ablation
+    first_logprobs: torch.Tensor | None = None

@@ -8,7 +8,7 @@ a request answered without its image.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from PIL import Image
 
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.model.loader import LoadedModel
+from fovea.model.vision import pixel_hash
 
 
 class PlaceholderMismatch(FoveaError):
@@ -28,6 +29,8 @@ class EncodedPrompt:
     pixel_values: torch.Tensor | None  # [n_images, 3, H, W] on the model's device and dtype
     num_images: int
     prompt_text: str
+    image_hashes: list[str] = field(default_factory=list)  # content hash of each preprocessed image
+    tokens_per_image: int = 0
 
 
 def render_chat(loaded: LoadedModel, messages: list[dict[str, Any]]) -> str:
@@ -53,10 +56,12 @@ def encode_prompt(loaded: LoadedModel, text: str, images: list[Image.Image], *,
     processor = loaded.processor
     if images:
         encoded = processor(text=text, images=images, return_tensors="pt")
+        hashes = [pixel_hash(p) for p in encoded["pixel_values"]]
         pixel_values = encoded["pixel_values"].to(device=loaded.device, dtype=loaded.dtype)
     else:
         encoded = processor.tokenizer(text, return_tensors="pt")
         pixel_values = None
+        hashes = []
     input_ids = encoded["input_ids"][0].tolist()
     image_tokens = sum(1 for t in input_ids if t == loaded.image_token_id)
     per_image = image_tokens // max(1, len(images))
@@ -68,4 +73,4 @@ def encode_prompt(loaded: LoadedModel, text: str, images: list[Image.Image], *,
         raise PlaceholderMismatch(
             f"the text contains {image_tokens} image token(s) but no image was sent; remove "
             f"{loaded.image_token!r} from the text or attach the image.")
-    return EncodedPrompt(input_ids, pixel_values, len(images), text)
+    return EncodedPrompt(input_ids, pixel_values, len(images), text, hashes, per_image if images else 0)

@@ -1,0 +1,157 @@
+"""The grounding canary: known images through the real serving path, answers must depend on them.
+
+Each reference image is one large shape of a known colour, drawn in code. For each, the
+canary (a) asks what colour the shape is and requires the colour word in the answer, and
+(b) compares the first-token distribution given the image with the one given a blank
+canvas of the same size: if their KL divergence is not above a threshold, the model is
+ignoring the image. The threshold is calibrated at start-up from the KL between an image
+and a re-encoded copy of itself (what "the same picture" looks like to this model), with a
+floor so that a model that ignores everything cannot calibrate itself into passing.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from PIL import Image, ImageDraw
+
+from fovea.engine.engine import Engine
+from fovea.engine.request import ErrorEvent, FinishEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.media import decode_image_bytes
+from fovea.media.config import MediaConfig
+from fovea.model.loader import LoadedModel
+from fovea.model.prompt import encode_prompt, render_chat
+
+KL_FLOOR = 0.05  # nats; below this an answer does not depend on the image in any useful way
+
+
+@dataclass(frozen=True)
+class CanaryCase:
+    colour: str
+    rgb: tuple[int, int, int]
+    shape: str
+
+    @property
+    def question(self) -> str:
+        return f"What color is the {self.shape}?"
+
+
+DEFAULT_CASES = (
+    CanaryCase("red", (220, 30, 30), "circle"),
+    CanaryCase("blue", (30, 70, 220), "square"),
+    CanaryCase("green", (30, 160, 50), "triangle"),
+)
+
+
+def draw_case(case: CanaryCase, size: int = 256) -> Image.Image:
+    image = Image.new("RGB", (size, size), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    lo, hi = size * 0.3, size * 0.7
+    if case.shape == "circle":
+        draw.ellipse((lo, lo, hi, hi), fill=case.rgb)
+    elif case.shape == "square":
+        draw.rectangle((lo, lo, hi, hi), fill=case.rgb)
+    else:
+        draw.polygon([(size / 2, lo), (hi, hi), (lo, hi)], fill=case.rgb)
+    return image
+
+
+def png_bytes(image: Image.Image, fmt: str = "PNG", **save: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **save)
+    return buffer.getvalue()
+
+
+def kl_divergence(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
+    """KL(p || q) in nats from two log-probability vectors."""
+    p_log, q_log = p_log.double(), q_log.double()
+    return float((p_log.exp() * (p_log - q_log)).sum().clamp(min=0.0))
+
+
+@dataclass
+class CaseResult:
+    colour: str
+    answer: str
+    has_keyword: bool
+    ablation_kl: float
+
+
+@dataclass
+class CanaryResult:
+    ok: bool
+    reasons: list[str]
+    threshold: float
+    min_ablation_kl: float
+    cases: list[CaseResult]
+    checked_at: float = field(default_factory=time.time)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Canary:
+    def __init__(self, loaded: LoadedModel, engine: Engine, cases: tuple[CanaryCase, ...] = DEFAULT_CASES,
+                 media: MediaConfig | None = None, floor: float = KL_FLOOR) -> None:
+        self.loaded = loaded
+        self.engine = engine
+        self.cases = cases
+        self.media = media or MediaConfig()
+        self.floor = floor
+        self.threshold: float | None = None
+        self.last: CanaryResult | None = None
+
+    async def _first_logprobs(self, image_bytes: bytes, question: str, max_tokens: int) -> tuple[str, torch.Tensor]:
+        image = decode_image_bytes(image_bytes, self.media)  # the serving path's decoder
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        prompt = encode_prompt(self.loaded, render_chat(self.loaded, messages), [image])
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        async for event in self.engine.generate(prompt, params, want_first_logprobs=True):
+            if isinstance(event, FinishEvent):
+                assert event.first_logprobs is not None
+                return event.text, event.first_logprobs
+            if isinstance(event, ErrorEvent):
+                raise event.error
+        raise RuntimeError("the engine ended the canary request without finishing it")
+
+    async def calibrate(self) -> float:
+        """KL between each reference image and a JPEG re-encoding of it: the model's noise floor."""
+        noise = 0.0
+        for case in self.cases:
+            image = draw_case(case)
+            _, p = await self._first_logprobs(png_bytes(image), case.question, 1)
+            _, q = await self._first_logprobs(png_bytes(image, "JPEG", quality=90), case.question, 1)
+            noise = max(noise, kl_divergence(p, q))
+        self.threshold = max(self.floor, 5.0 * noise)
+        return self.threshold
+
+    async def run(self) -> CanaryResult:
+        started = time.perf_counter()
+        if self.threshold is None:
+            await self.calibrate()
+        threshold = self.threshold or self.floor
+        results: list[CaseResult] = []
+        reasons: list[str] = []
+        for case in self.cases:
+            image = draw_case(case)
+            answer, p = await self._first_logprobs(png_bytes(image), case.question, 16)
+            blank = Image.new("RGB", image.size, (255, 255, 255))
+            _, q = await self._first_logprobs(png_bytes(blank), case.question, 1)
+            kl = kl_divergence(p, q)
+            hit = case.colour in answer.lower().replace(",", " ").replace(".", " ").split()
+            results.append(CaseResult(case.colour, answer, hit, kl))
+            if not hit:
+                reasons.append(f"canary: asked {case.question!r} about a {case.colour} {case.shape}, "
+                               f"got {answer!r} (no {case.colour!r})")
+            if not kl > threshold:
+                reasons.append(f"canary: image ignored: the answer to {case.question!r} is the same with a blank "
+                               f"image (ablation KL {kl:.4f} <= threshold {threshold:.4f} nats)")
+        min_kl = min((r.ablation_kl for r in results), default=math.nan)
+        self.last = CanaryResult(not reasons, reasons, threshold, min_kl, results,
+                                 seconds=time.perf_counter() - started)
+        return self.last

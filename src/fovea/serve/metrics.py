@@ -1,0 +1,67 @@
+"""Prometheus metrics for one fovea server (its own registry, so apps never collide)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+# Refusals that mean "this request's image could not reach the model as sent".
+MODALITY_CODES = frozenset({
+    "invalid_image", "unsupported_image_format", "image_too_large", "image_placeholder_mismatch",
+    "too_many_images", "media_fetch_failed", "media_source_forbidden", "image_not_found",
+    "images_not_supported",
+})
+_MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+_S_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
+
+
+class _CacheCollector:
+    def __init__(self, read: Callable[[], tuple[int, int]]) -> None:
+        self.read = read
+
+    def collect(self):
+        hits, misses = self.read()
+        yield CounterMetricFamily("fovea_encoder_cache_hits", "images whose embeddings came from the encoder cache",
+                                  value=hits)
+        yield CounterMetricFamily("fovea_encoder_cache_misses", "images that had to be encoded", value=misses)
+
+
+class Metrics:
+    def __init__(self, queue_depth: Callable[[], int], cache_counts: Callable[[], tuple[int, int]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.vision_latency = Histogram("fovea_vision_encoder_latency_ms",
+                                        "vision tower + projector time per encoded batch (ms)",
+                                        buckets=_MS_BUCKETS, registry=r)
+        self.modality_errors = Counter("fovea_modality_mismatch_errors",
+                                       "requests refused because an image could not reach the model",
+                                       ["reason"], registry=r)
+        self.requests = Counter("fovea_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.ttft = Histogram("fovea_time_to_first_token_seconds", "arrival to first generated token",
+                              buckets=_S_BUCKETS, registry=r)
+        self.tpot = Histogram("fovea_time_per_output_token_seconds", "mean time per output token after the first",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.queue = Gauge("fovea_queue_depth", "requests waiting for the engine", registry=r)
+        self.queue.set_function(lambda: float(queue_depth()))
+        self.canary_ok = Gauge("fovea_canary_status", "1 when the grounding canary last passed, 0 when it failed, "
+                               "-1 before it has run", registry=r)
+        self.canary_ok.set(-1)
+        self.canary_kl = Gauge("fovea_canary_last_ablation_kl",
+                               "smallest image-vs-blank KL divergence (nats) in the last canary run", registry=r)
+        r.register(_CacheCollector(cache_counts))
+
+    def observe_finish(self, first_token_s: float | None, total_s: float, completion_tokens: int) -> None:
+        if first_token_s is not None:
+            self.ttft.observe(first_token_s)
+            if completion_tokens > 1:
+                self.tpot.observe((total_s - first_token_s) / (completion_tokens - 1))
+
+    def observe_error_code(self, code: str) -> None:
+        if code in MODALITY_CODES:
+            self.modality_errors.labels(reason=code).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
