@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -41,6 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="allow http(s) image URLs from this host (repeatable; off by default)")
     serve.add_argument("--allow-private-media-addresses", action="store_true",
                        help="let allowed media hosts resolve to loopback/private addresses")
+    serve.add_argument("--processor-override", type=json.loads, default={},
+                       help='JSON fields to change in the image processor, e.g. \'{"resample": 2}\'')
+    serve.add_argument("--force-processor-override", action="store_true",
+                       help="allow an override that changes normalisation (reported in /health)")
+    serve.add_argument("--canary-interval", type=float, default=600.0,
+                       help="seconds between grounding-canary runs (0: only at start-up)")
+    serve.add_argument("--no-canary", action="store_true", help="skip the grounding canary")
+    serve.add_argument("--strict", action="store_true",
+                       help="refuse to start if the canary fails; /health answers 503 while degraded")
     serve.add_argument("--max-image-bytes", type=int, default=None)
     serve.add_argument("--max-image-pixels", type=int, default=None)
 
@@ -55,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check the machine (and model) for what silently breaks VLM serving")
     doctor.add_argument("--model", type=Path, default=None, help="model directory (default: the demo model)")
     doctor.add_argument("--device", default="auto")
+    doctor.add_argument("--dtype", default="auto")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
 
     sub.add_parser("eval-demo", help="held-out accuracy of a model on shape scenes (see --help)", add_help=False)
@@ -104,6 +115,8 @@ def serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
         max_queue=args.max_queue, limit_images_per_prompt=args.limit_images_per_prompt,
         max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+        processor_override=args.processor_override, force_processor_override=args.force_processor_override,
+        canary=not args.no_canary, canary_interval_s=args.canary_interval, strict=args.strict,
         media=MediaConfig(
             allowed_media_dirs=tuple(args.allowed_media_dir),
             allowed_media_domains=tuple(args.allowed_media_domains),
@@ -120,7 +133,7 @@ def doctor(args: argparse.Namespace) -> int:
     from fovea.guard.checks import exit_code, render_json, render_text
     from fovea.guard.doctor import doctor_checks
 
-    checks = doctor_checks(args.model, args.device)
+    checks = doctor_checks(args.model, args.device, args.dtype)
     print(render_json(checks) if args.json else render_text(checks))
     return exit_code(checks)
 

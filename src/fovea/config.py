@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fovea.media.config import MediaConfig
 
@@ -22,6 +23,11 @@ class ServerSettings:
     max_body_bytes: int = 32 * 1024 * 1024
     api_key: str | None = None
     media: MediaConfig = field(default_factory=MediaConfig)
+    processor_override: dict[str, Any] = field(default_factory=dict)
+    force_processor_override: bool = False
+    canary: bool = True  # run the grounding canary at start-up (and every canary_interval_s)
+    canary_interval_s: float = 600.0  # 0: only at start-up
+    strict: bool = False  # refuse to start on a failing canary; /health answers 503 while degraded
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -34,3 +40,7 @@ class ServerSettings:
             raise ValueError("--limit-images-per-prompt must be 0 or more")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
+        if self.canary_interval_s < 0:
+            raise ValueError("--canary-interval must be 0 (start-up only) or a positive number of seconds")
+        if self.strict and not self.canary:
+            raise ValueError("--strict needs the canary; drop --no-canary")

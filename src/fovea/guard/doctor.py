@@ -23,7 +23,34 @@ def model_dir_check(path: Path) -> Check:
                  "tokenizer, image processor and chat template")
 
 
-def doctor_checks(model: Path | None = None, device: str = "auto") -> list[Check]:
+def contract_checks(path: Path, device: str, dtype: str) -> list[Check]:
+    """Load the model as `fovea serve` would and check its contract."""
+    from fovea.model.contract import ContractError, check_contract
+    from fovea.model.loader import load_model
+
+    try:
+        loaded = load_model(path, device, dtype)
+    except FoveaError as exc:
+        return [Check("model.load", Status.FAIL, exc.message, "fix the model directory or --device/--dtype")]
+    checks = [Check("model.load", Status.PASS, f"loaded on {loaded.device} in "
+                    f"{str(loaded.dtype).removeprefix('torch.')} in {loaded.load_seconds:.1f} s")]
+    try:
+        contract = check_contract(loaded)
+    except ContractError as exc:
+        for v in exc.violations:
+            checks.append(Check(f"contract.{v.part.replace(' ', '_')}", Status.FAIL,
+                                f"expected {v.expected}, got {v.actual}", v.fix))
+        return checks
+    checks.append(Check("contract", Status.PASS,
+                        f"widths {contract.vision_width}->{contract.projector_in}, {contract.projector_out}="
+                        f"{contract.lm_hidden}; {contract.tokens_per_image} image tokens per image; recipe "
+                        f"{contract.recipe_fingerprint}; all on {contract.device}/{contract.dtype}"))
+    for note in contract.notes:
+        checks.append(Check("contract.note", Status.WARN, note, ""))
+    return checks
+
+
+def doctor_checks(model: Path | None = None, device: str = "auto", dtype: str = "auto") -> list[Check]:
     path = Path(model) if model else default_model_dir()
     need_gpu = True if device.startswith("cuda") else (False if device == "cpu" else None)
     try:
@@ -32,5 +59,8 @@ def doctor_checks(model: Path | None = None, device: str = "auto") -> list[Check
     except FoveaError:
         required = None
     checks = environment_checks(need_gpu=need_gpu, required_gpu_bytes=required)
-    checks.append(model_dir_check(path))
+    directory = model_dir_check(path)
+    checks.append(directory)
+    if directory.status is Status.PASS:
+        checks.extend(contract_checks(path, device, dtype))
     return checks

@@ -8,8 +8,13 @@ Public surface: ``MediaConfig`` (limits and permissions), ``decode_image_bytes``
 from fovea.media.config import MediaConfig
 from fovea.media.decode import decode_image_bytes
 from fovea.media.errors import (
-    ImageNotFound, ImageTooLarge, ImageTooManyPixels, MalformedImage, MediaFetchFailed,
-    MediaSourceForbidden, UnsupportedImageFormat,
+    ImageNotFound,
+    ImageTooLarge,
+    ImageTooManyPixels,
+    MalformedImage,
+    MediaFetchFailed,
+    MediaSourceForbidden,
+    UnsupportedImageFormat,
 )
 from fovea.media.sources import MediaResolver
 from fovea.media.store import ImageStore, StoredImage, image_id_for, is_image_id

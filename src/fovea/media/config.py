@@ -43,7 +43,7 @@ class MediaConfig:
         _positive_number("fetch_timeout_s", self.fetch_timeout_s)
         _positive_number("store_ttl_s", self.store_ttl_s)
         if not isinstance(self.allow_private_addresses, bool):
-            raise ValueError("allow_private_addresses must be True or False.")
+            raise TypeError("allow_private_addresses must be True or False.")
         object.__setattr__(self, "allowed_media_dirs", _dirs(self.allowed_media_dirs))
         object.__setattr__(self, "allowed_media_domains", _domains(self.allowed_media_domains))
         object.__setattr__(self, "background", _colour(self.background))
@@ -78,7 +78,7 @@ def _domains(domains: object) -> tuple[str, ...]:
     out = []
     for d in domains:  # type: ignore[union-attr]
         host = str(d).strip().lower().rstrip(".")
-        if not host or any(c in host for c in "/:@*? \t") and not _is_ipv6_literal(host):
+        if not host or (any(c in host for c in "/:@*? \t") and not _is_ipv6_literal(host)):
             raise ValueError(
                 f"allowed_media_domains entries must be bare host names such as 'images.example.com' "
                 f"(no scheme, port, path or wildcard), got {d!r}."

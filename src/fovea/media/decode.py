@@ -17,11 +17,21 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from fovea.media.config import MediaConfig
 from fovea.media.errors import (
-    FoveaError, ImageTooLarge, ImageTooManyPixels, MalformedImage, UnsupportedImageFormat,
+    FoveaError,
+    ImageTooLarge,
+    ImageTooManyPixels,
+    MalformedImage,
+    UnsupportedImageFormat,
 )
 from fovea.media.formats import (
-    ACCEPTED_DESCRIPTION, ACCEPTED_PIL_FORMATS, PIL_FORMATS, looks_like_html, looks_like_text,
-    sniff_accepted, sniff_unsupported, webp_canvas_size,
+    ACCEPTED_DESCRIPTION,
+    ACCEPTED_PIL_FORMATS,
+    PIL_FORMATS,
+    looks_like_html,
+    looks_like_text,
+    sniff_accepted,
+    sniff_unsupported,
+    webp_canvas_size,
 )
 from fovea.media.pixels import to_rgb
 
@@ -123,7 +133,7 @@ def _truncated_images_refused() -> Iterator[None]:
 def _upright(im: Image.Image) -> Image.Image:
     try:
         return ImageOps.exif_transpose(im)
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure reading EXIF means "no orientation"
         # Broken EXIF is common in camera files and says nothing reliable about orientation;
         # browsers show such images as stored, so do we.
         return im

@@ -88,8 +88,7 @@ def _text_head(data: bytes) -> bytes:
 
 def looks_like_svg(data: bytes) -> bool:
     head = _text_head(data)
-    return head.startswith(b"<svg") or (head.startswith(b"<?xml") and b"<svg" in head) or (
-        head.startswith(b"<!doctype svg"))
+    return head.startswith((b"<svg", b"<!doctype svg")) or (head.startswith(b"<?xml") and b"<svg" in head)
 
 
 def looks_like_html(data: bytes) -> bool:

@@ -71,14 +71,22 @@ def _read_regular_file(real: Path, shown: str, config: MediaConfig) -> bytes:
         fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise MediaFetchFailed(f"The file {shown!r} could not be opened ({exc.strerror}).") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(f.fileno())
+    try:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise MediaFetchFailed(f"{shown!r} is not a regular file; point at an image file.")
         check_byte_size(info.st_size, config)
-        try:
-            data = f.read(config.max_image_bytes + 1)
-        except OSError as exc:
-            raise MediaFetchFailed(f"The file {shown!r} could not be read ({exc.strerror}).") from None
-    check_byte_size(len(data), config)  # the file may have grown after fstat
-    return data
+        chunks: list[bytes] = []
+        total = 0
+        while total <= config.max_image_bytes:  # the file may grow after fstat: read one byte over
+            chunk = os.read(fd, min(1 << 20, config.max_image_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as exc:
+        raise MediaFetchFailed(f"The file {shown!r} could not be read ({exc.strerror}).") from None
+    finally:
+        os.close(fd)
+    check_byte_size(total, config)
+    return b"".join(chunks)

@@ -19,7 +19,7 @@ def to_rgb(im: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     mode = im.mode
     if mode == "RGB" and not im.has_transparency_data:
         return im
-    if mode.startswith("I") or mode.startswith("F"):
+    if mode.startswith(("I", "F")):
         grey = Image.fromarray(_to_uint8(np.asarray(im), mode))
         alpha = _grey_transparency_mask(np.asarray(im), im.info.get("transparency"))
         if alpha is not None:

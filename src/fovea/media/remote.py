@@ -120,7 +120,7 @@ def _fetch_one(client: httpx.Client, target: _Target, config: MediaConfig,
             last_error = exc
         except httpx.TimeoutException:
             raise _timed_out(target, config) from None
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
             raise MediaFetchFailed(f"Fetching {target.url!r} failed ({_describe(exc)}).") from None
     raise MediaFetchFailed(f"Could not connect to {target.host!r} for {target.url!r} "
                            f"({_describe(last_error)}).") from None

@@ -1,46 +1,103 @@
-"""The FastAPI application: routes, error handling, start-up and shutdown."""
+"""The FastAPI application: routes, error handling, start-up checks, canary and shutdown."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from fovea import __version__
 from fovea.config import ServerSettings
 from fovea.engine.engine import Engine, EngineConfig
+from fovea.errors import FoveaError
+from fovea.model.contract import check_contract
 from fovea.model.loader import LoadedModel, load_model
 from fovea.serve.chat import make_chat_router
 from fovea.serve.error_handlers import error_body, install_error_handlers
 from fovea.serve.images_api import make_images_router
+from fovea.serve.metrics import Metrics
 from fovea.serve.state import ServerState
 
 log = logging.getLogger("fovea.serve")
 
 
+class CanaryFailed(FoveaError):
+    status, code, type = 503, "canary_failed", "server_error"
+
+
 def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> FastAPI:
     """Build the app; ``loaded`` lets tests share one loaded model between apps."""
     loaded = loaded or load_model(settings.model, settings.device, settings.dtype)
-    engine = Engine(loaded, EngineConfig(settings.max_batch_size, settings.max_queue))
-    state = ServerState.build(settings, loaded, engine)
+    contract = check_contract(loaded, override=settings.processor_override,
+                              force_override=settings.force_processor_override)
+    for note in contract.notes:
+        log.warning("%s: %s", loaded.name, note)
+    metrics_box: list[Metrics] = []
+    engine = Engine(loaded, EngineConfig(settings.max_batch_size, settings.max_queue),
+                    on_vision_seconds=lambda s: metrics_box[0].vision_latency.observe(1000 * s))
+    metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses))
+    metrics_box.append(metrics)
+    state = ServerState.build(settings, loaded, engine, contract, metrics)
+
+    async def run_canary() -> None:
+        result = await state.canary.run()
+        metrics.canary_ok.set(1 if result.ok else 0)
+        metrics.canary_kl.set(result.min_ablation_kl)
+        if result.ok:
+            log.info("grounding canary passed (min ablation KL %.3f nats > %.3f) in %.2f s",
+                     result.min_ablation_kl, result.threshold, result.seconds)
+        else:
+            for reason in result.reasons:
+                log.error("%s", reason)
+
+    async def canary_loop() -> None:
+        while True:
+            await asyncio.sleep(settings.canary_interval_s)
+            try:
+                await run_canary()
+            except Exception:  # noqa: BLE001 - a broken canary run must not stop serving
+                log.exception("grounding canary run failed")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        log.info("serving %s on device=%s dtype=%s", state.model_name, loaded.device,
-                 str(loaded.dtype).removeprefix("torch."))
-        yield
-        engine.stop()
+        log.info("serving %s on device=%s dtype=%s (vision %s), %d image tokens per image",
+                 state.model_name, loaded.device, contract.dtype, contract.vision_dtype, contract.tokens_per_image)
+        task = None
+        try:
+            if settings.canary:
+                await run_canary()
+                if settings.strict and not state.canary.last.ok:
+                    raise CanaryFailed("--strict: the grounding canary failed at start-up: "
+                                       + "; ".join(state.canary.last.reasons))
+                if settings.canary_interval_s > 0:
+                    task = asyncio.create_task(canary_loop())
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            engine.stop()
 
     app = FastAPI(title="fovea", version=__version__, lifespan=lifespan)
     app.state.fovea = state
-    install_error_handlers(app)
+    install_error_handlers(app, on_error_code=metrics.observe_error_code)
 
     @app.middleware("http")
-    async def limits_and_auth(request: Request, call_next):
+    async def limits_auth_and_counts(request: Request, call_next):
+        response = await _guarded(request, call_next)
+        route = request.scope.get("route")
+        metrics.requests.labels(route=getattr(route, "path", "unmatched"), status=str(response.status_code)).inc()
+        return response
+
+    async def _guarded(request: Request, call_next):
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
             return JSONResponse(error_body(
@@ -57,13 +114,30 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
 
     @app.get("/health")
     async def health():
-        return {
-            "status": "ok",
+        status, reasons = state.health()
+        last = state.canary.last
+        body = {
+            "status": status,
+            "reasons": reasons,
+            "warnings": state.warnings(),
             "model": state.model_name,
             "device": str(loaded.device),
-            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "dtype": contract.dtype,
+            "vision_dtype": contract.vision_dtype,
+            "tokens_per_image": contract.tokens_per_image,
+            "recipe_fingerprint": contract.recipe_fingerprint,
+            "processor_override": contract.processor_override,
             "queue_depth": engine.queue_depth,
+            "canary": None if last is None else {
+                "ok": last.ok, "min_ablation_kl": last.min_ablation_kl, "threshold": last.threshold,
+                "checked_at": last.checked_at, "answers": {c.colour: c.answer for c in last.cases}},
         }
+        code = 503 if (settings.strict and status != "ok") else 200
+        return JSONResponse(body, status_code=code)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
+from PIL import Image
 
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.model.prompt import EncodedPrompt, encode_prompt, render_chat
@@ -71,11 +72,19 @@ async def load_images(state: ServerState, refs: list[tuple[str, str]]) -> list:
     return list(await asyncio.gather(*(one(ref, where) for ref, where in refs)))
 
 
-async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest) -> EncodedPrompt:
+async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest
+                            ) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+    """The prompt, and for a grounding score its twin with every image blanked."""
     messages, refs = to_template_messages(req.messages)
     images = await load_images(state, refs)
     loaded = state.loaded
-    return await asyncio.to_thread(lambda: encode_prompt(loaded, render_chat(loaded, messages), images))
+    text = await asyncio.to_thread(render_chat, loaded, messages)
+    prompt = await asyncio.to_thread(encode_prompt, loaded, text, images)
+    twin = None
+    if req.fovea and req.fovea.grounding and images:
+        blanks = [Image.new("RGB", im.size, (255, 255, 255)) for im in images]
+        twin = await asyncio.to_thread(encode_prompt, loaded, text, blanks)
+    return prompt, twin
 
 
 def make_chat_router(state: ServerState) -> APIRouter:
@@ -84,7 +93,7 @@ def make_chat_router(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model_name(state, req.model)
-        prompt = await build_chat_prompt(state, req)
-        return await respond(state, req, prompt)
+        prompt, twin = await build_chat_prompt(state, req)
+        return await respond(state, req, prompt, twin)
 
     return router

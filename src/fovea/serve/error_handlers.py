@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,9 +44,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'request'}: {message}{more}", param or None
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_error_code: Callable[[str], None] | None = None) -> None:
     @app.exception_handler(FoveaError)
     async def _fovea(request: Request, exc: FoveaError) -> JSONResponse:
+        if on_error_code is not None:
+            on_error_code(exc.code)
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return JSONResponse(exc.to_body(), status_code=exc.status, headers=headers)
 

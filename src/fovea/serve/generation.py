@@ -6,11 +6,13 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+import torch
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import FoveaError
+from fovea.guard.canary import KL_FLOOR, kl_divergence
 from fovea.model.prompt import EncodedPrompt
 from fovea.serve import protocol
 from fovea.serve.protocol import SamplingFields
@@ -33,25 +35,48 @@ def sampling_params(state: ServerState, req: SamplingFields, prompt: EncodedProm
     )
 
 
+async def blank_first_logprobs(state: ServerState, twin: EncodedPrompt) -> torch.Tensor:
+    """First-token log-probabilities of the same prompt with every image replaced by a blank one."""
+    async for event in state.engine.generate(twin, SamplingParams(max_tokens=1, temperature=0.0),
+                                             want_first_logprobs=True):
+        if isinstance(event, FinishEvent) and event.first_logprobs is not None:
+            return event.first_logprobs
+        if isinstance(event, ErrorEvent):
+            raise EngineFailure(f"grounding ablation failed: {event.error}")
+    raise EngineFailure("grounding ablation produced no distribution")
+
+
+def grounding_report(state: ServerState, real: torch.Tensor | None, blank: torch.Tensor | None) -> dict:
+    if real is None or blank is None:
+        return {"first_token_kl": None, "image_dependent": None, "note": "the request carries no image"}
+    kl = kl_divergence(real, blank)
+    threshold = state.canary.threshold or KL_FLOOR
+    return {"first_token_kl": round(kl, 6), "threshold": round(threshold, 6), "image_dependent": kl > threshold}
+
+
 async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt,
-                  extra: dict | None = None) -> JSONResponse | StreamingResponse:
+                  blank_twin: EncodedPrompt | None = None) -> JSONResponse | StreamingResponse:
+    """``blank_twin`` (the prompt with blank images) asks for a per-request grounding score."""
     params = sampling_params(state, req, prompt)
     state.engine.check_fits(prompt, params)  # 400 before any streaming starts
     rid = protocol.completion_id()
+    grounding = bool(req.fovea and req.fovea.grounding)
+    blank = await blank_first_logprobs(state, blank_twin) if (grounding and blank_twin is not None) else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, prompt, params, rid, include_usage),
+        return StreamingResponse(_stream(state, prompt, params, rid, include_usage, grounding, blank),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    text, finish = "", None
-    async for event in state.engine.generate(prompt, params, rid):
+    finish = None
+    async for event in state.engine.generate(prompt, params, rid, want_first_logprobs=grounding):
         if isinstance(event, FinishEvent):
             finish = event
         elif isinstance(event, ErrorEvent):
             raise EngineFailure(f"generation failed: {type(event.error).__name__}: {event.error}")
     assert finish is not None
-    text = finish.text
-    return JSONResponse(protocol.chat_response(rid, state.model_name, text, finish.finish_reason,
+    state.metrics.observe_finish(finish.first_token_s, finish.total_s, finish.completion_tokens)
+    extra = {"grounding": grounding_report(state, finish.first_logprobs, blank)} if grounding else None
+    return JSONResponse(protocol.chat_response(rid, state.model_name, finish.text, finish.finish_reason,
                                                finish.prompt_tokens, finish.completion_tokens, extra))
 
 
@@ -61,15 +86,19 @@ def _sse(payload: dict | str) -> str:
 
 
 async def _stream(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, grounding: bool, blank: torch.Tensor | None) -> AsyncIterator[str]:
     created, model = int(time.time()), state.model_name
     yield _sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-    async for event in state.engine.generate(prompt, params, rid):
+    async for event in state.engine.generate(prompt, params, rid, want_first_logprobs=grounding):
         if isinstance(event, TokenEvent):
             if event.text:
                 yield _sse(protocol.chat_chunk(rid, model, created, {"content": event.text}))
         elif isinstance(event, FinishEvent):
-            yield _sse(protocol.chat_chunk(rid, model, created, {}, event.finish_reason))
+            state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
+            last = protocol.chat_chunk(rid, model, created, {}, event.finish_reason)
+            if grounding:
+                last["fovea"] = {"grounding": grounding_report(state, event.first_logprobs, blank)}
+            yield _sse(last)
             if include_usage:
                 chunk = protocol.chat_chunk(rid, model, created, {})
                 chunk["choices"] = []

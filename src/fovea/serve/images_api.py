@@ -39,8 +39,8 @@ def make_images_router(store: ImageStore, config: MediaConfig) -> APIRouter:
             raise InvalidRequest(
                 f"POST /v1/images does not accept {content_type!r} bodies; send multipart/form-data "
                 "with a 'file' field, or JSON {\"image\": \"<data URL or base64>\"}.")
+        data = await read(request, config)
         try:
-            data = await read(request, config)
             stored = await run_in_threadpool(store.put, data)  # full decode: keep it off the loop
         except FoveaError as exc:
             exc.param = exc.param or param
@@ -112,7 +112,8 @@ async def _multipart_file(request: Request, config: MediaConfig) -> bytes:
 
 
 async def _json_image(request: Request, config: MediaConfig) -> bytes:
-    body = await _read_body(request, config.max_image_bytes * 4 // 3 + _FORM_OVERHEAD, config)
+    # base64 is 4/3 of the bytes; 5% more for line breaks and the escaped slashes some encoders emit.
+    body = await _read_body(request, config.max_image_bytes * 4 // 3 * 21 // 20 + _FORM_OVERHEAD, config)
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -123,12 +124,14 @@ async def _json_image(request: Request, config: MediaConfig) -> bytes:
         raise InvalidRequest("The JSON body needs an 'image' field holding a data URL or base64 "
                              "string.", param="image")
     ref = ref.strip()
-    if ref[:5].lower() == "data:":
-        return decode_data_url(ref, config)
-    if ":" in ref[:12]:
+    if ":" in ref[:12] and ref[:5].lower() != "data:":
         raise InvalidRequest("POST /v1/images takes the image itself (a data URL or base64), not a URL "
                              "to it; download it and upload the bytes.", param="image")
-    return decode_base64(ref, config)
+    try:
+        return decode_data_url(ref, config) if ref[:5].lower() == "data:" else decode_base64(ref, config)
+    except FoveaError as exc:
+        exc.param = "image"
+        raise
 
 
 def _not_found(image_id: str) -> ImageNotFound:
