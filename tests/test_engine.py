@@ -3,7 +3,7 @@ import asyncio
 import pytest
 import torch
 
-from conftest import fresh_scene
+from scene_helpers import fresh_scene
 from fovea.demo import scenes
 from fovea.engine.detokenize import IncrementalDetokenizer
 from fovea.engine.engine import Engine, EngineConfig

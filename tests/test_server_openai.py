@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import data_url, fresh_scene
+from scene_helpers import data_url, fresh_scene
 from fovea.demo import scenes
 
 
