@@ -18,7 +18,9 @@ from fovea.engine.engine import Engine, EngineConfig
 from fovea.errors import FoveaError
 from fovea.model.contract import check_contract
 from fovea.model.loader import LoadedModel, load_model
+from fovea.serve.body_limit import BodyLimitMiddleware
 from fovea.serve.chat import make_chat_router
+from fovea.serve.completions import make_completions_router
 from fovea.serve.error_handlers import error_body, install_error_handlers
 from fovea.serve.images_api import make_images_router
 from fovea.serve.metrics import Metrics
@@ -98,12 +100,6 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
         return response
 
     async def _guarded(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse(error_body(
-                f"the request body is {int(length)} bytes; the limit is {settings.max_body_bytes} bytes "
-                "(--max-body-bytes). Send smaller images or upload them with POST /v1/images.",
-                "request_too_large"), status_code=413)
         if settings.api_key and request.url.path != "/health":
             supplied = request.headers.get("authorization", "")
             if not hmac.compare_digest(supplied.encode(), f"Bearer {settings.api_key}".encode()):
@@ -150,6 +146,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             "max_model_len": loaded.context_length,
         }]}
 
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.include_router(make_chat_router(state))
+    app.include_router(make_completions_router(state))
     app.include_router(make_images_router(state.store, settings.media))
     return app

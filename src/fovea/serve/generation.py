@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
 
-import torch
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import FoveaError
-from fovea.guard.canary import KL_FLOOR, kl_divergence
+from fovea.guard.canary import KL_FLOOR
+from fovea.guard.grounding import answer_dependence
 from fovea.model.prompt import EncodedPrompt
 from fovea.serve import protocol
 from fovea.serve.protocol import SamplingFields
@@ -35,49 +36,67 @@ def sampling_params(state: ServerState, req: SamplingFields, prompt: EncodedProm
     )
 
 
-async def blank_first_logprobs(state: ServerState, twin: EncodedPrompt) -> torch.Tensor:
-    """First-token log-probabilities of the same prompt with every image replaced by a blank one."""
-    async for event in state.engine.generate(twin, SamplingParams(max_tokens=1, temperature=0.0),
-                                             want_first_logprobs=True):
-        if isinstance(event, FinishEvent) and event.first_logprobs is not None:
-            return event.first_logprobs
-        if isinstance(event, ErrorEvent):
-            raise EngineFailure(f"grounding ablation failed: {event.error}")
-    raise EngineFailure("grounding ablation produced no distribution")
-
-
-def grounding_report(state: ServerState, real: torch.Tensor | None, blank: torch.Tensor | None) -> dict:
-    if real is None or blank is None:
-        return {"first_token_kl": None, "image_dependent": None, "note": "the request carries no image"}
-    kl = kl_divergence(real, blank)
+async def grounding_report(state: ServerState, prompt: EncodedPrompt, twin: EncodedPrompt | None,
+                           answer: str) -> dict:
+    if twin is None:
+        return {"image_dependent": None, "note": "the request carries no image"}
     threshold = state.canary.threshold or KL_FLOOR
-    return {"first_token_kl": round(kl, 6), "threshold": round(threshold, 6), "image_dependent": kl > threshold}
+    return await asyncio.to_thread(answer_dependence, state.loaded, prompt, twin, answer, threshold)
 
 
-async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt,
-                  blank_twin: EncodedPrompt | None = None) -> JSONResponse | StreamingResponse:
-    """``blank_twin`` (the prompt with blank images) asks for a per-request grounding score."""
-    params = sampling_params(state, req, prompt)
-    state.engine.check_fits(prompt, params)  # 400 before any streaming starts
-    rid = protocol.completion_id()
-    grounding = bool(req.fovea and req.fovea.grounding)
-    blank = await blank_first_logprobs(state, blank_twin) if (grounding and blank_twin is not None) else None
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, prompt, params, rid, include_usage, grounding, blank),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class Format:
+    """How one endpoint shapes its answers: chat messages/deltas or plain text completions."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind  # "chat" | "text"
+
+    def response(self, rid, model, finish: FinishEvent, extra) -> dict:
+        build = protocol.chat_response if self.kind == "chat" else protocol.text_response
+        return build(rid, model, finish.text, finish.finish_reason, finish.prompt_tokens,
+                     finish.completion_tokens, extra)
+
+    def first(self, rid, model, created) -> dict | None:
+        return protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) \
+            if self.kind == "chat" else None
+
+    def delta(self, rid, model, created, text: str, finish_reason: str | None = None) -> dict:
+        if self.kind == "chat":
+            return protocol.chat_chunk(rid, model, created, {"content": text} if text else {}, finish_reason)
+        return protocol.text_chunk(rid, model, created, text, finish_reason)
+
+
+CHAT, TEXT = Format("chat"), Format("text")
+
+
+async def run_to_finish(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
+                        want_first_logprobs: bool = False) -> FinishEvent:
     finish = None
-    async for event in state.engine.generate(prompt, params, rid, want_first_logprobs=grounding):
+    async for event in state.engine.generate(prompt, params, rid, want_first_logprobs=want_first_logprobs):
         if isinstance(event, FinishEvent):
             finish = event
         elif isinstance(event, ErrorEvent):
             raise EngineFailure(f"generation failed: {type(event.error).__name__}: {event.error}")
     assert finish is not None
     state.metrics.observe_finish(finish.first_token_s, finish.total_s, finish.completion_tokens)
-    extra = {"grounding": grounding_report(state, finish.first_logprobs, blank)} if grounding else None
-    return JSONResponse(protocol.chat_response(rid, state.model_name, finish.text, finish.finish_reason,
-                                               finish.prompt_tokens, finish.completion_tokens, extra))
+    return finish
+
+
+async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt,
+                  blank_twin: EncodedPrompt | None = None, fmt: Format = CHAT) -> JSONResponse | StreamingResponse:
+    """``blank_twin`` (the prompt with blank images) asks for a per-request grounding score."""
+    params = sampling_params(state, req, prompt)
+    state.engine.check_fits(prompt, params)  # 400 before any streaming starts
+    rid = ("chatcmpl-" if fmt.kind == "chat" else "cmpl-") + protocol.completion_id().split("-", 1)[1]
+    grounding = bool(req.fovea and req.fovea.grounding)
+    twin = blank_twin if grounding else None
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(state, prompt, params, rid, include_usage, grounding, twin, fmt),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    finish = await run_to_finish(state, prompt, params, rid)
+    extra = {"grounding": await grounding_report(state, prompt, twin, finish.text)} if grounding else None
+    return JSONResponse(fmt.response(rid, state.model_name, finish, extra))
 
 
 def _sse(payload: dict | str) -> str:
@@ -86,21 +105,24 @@ def _sse(payload: dict | str) -> str:
 
 
 async def _stream(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
-                  include_usage: bool, grounding: bool, blank: torch.Tensor | None) -> AsyncIterator[str]:
+                  include_usage: bool, grounding: bool, twin: EncodedPrompt | None,
+                  fmt: Format) -> AsyncIterator[str]:
     created, model = int(time.time()), state.model_name
-    yield _sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-    async for event in state.engine.generate(prompt, params, rid, want_first_logprobs=grounding):
+    first = fmt.first(rid, model, created)
+    if first is not None:
+        yield _sse(first)
+    async for event in state.engine.generate(prompt, params, rid):
         if isinstance(event, TokenEvent):
             if event.text:
-                yield _sse(protocol.chat_chunk(rid, model, created, {"content": event.text}))
+                yield _sse(fmt.delta(rid, model, created, event.text))
         elif isinstance(event, FinishEvent):
             state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
-            last = protocol.chat_chunk(rid, model, created, {}, event.finish_reason)
+            last = fmt.delta(rid, model, created, "", event.finish_reason)
             if grounding:
-                last["fovea"] = {"grounding": grounding_report(state, event.first_logprobs, blank)}
+                last["fovea"] = {"grounding": await grounding_report(state, prompt, twin, event.text)}
             yield _sse(last)
             if include_usage:
-                chunk = protocol.chat_chunk(rid, model, created, {})
+                chunk = fmt.delta(rid, model, created, "")
                 chunk["choices"] = []
                 chunk["usage"] = protocol.usage(event.prompt_tokens, event.completion_tokens)
                 yield _sse(chunk)

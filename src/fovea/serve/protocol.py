@@ -79,6 +79,31 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
+class CompletionRequest(SamplingFields):
+    """A raw prompt, used verbatim: one ``<image>`` placeholder per entry of ``images``."""
+
+    prompt: str | list[str]
+    images: list[str] = Field(default_factory=list, description="fovea extension: image references")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str:
+        if isinstance(value, list):
+            if len(value) != 1:
+                raise ValueError("exactly one prompt per request is supported")
+            value = value[0]
+        if not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+
+class GenerateRequest(SamplingFields):
+    """The simple shape: a question and at most one image, rendered with the model's chat template."""
+
+    prompt: str = Field(min_length=1)
+    image: str | None = None
+
+
 def completion_id() -> str:
     return "chatcmpl-" + uuid.uuid4().hex
 
@@ -110,6 +135,31 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
         "created": created,
         "model": model,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def text_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
+                  completion_tokens: int, extra: dict | None = None) -> dict:
+    body = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+    if extra:
+        body["fovea"] = extra
+    return body
+
+
+def text_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
     }
 
 

@@ -1,0 +1,45 @@
+"""Per-request grounding score: how much the answer's first tokens depend on the image.
+
+The answer is scored twice, teacher-forced: once with the request's images and once with
+every image replaced by a blank canvas of the same size. The KL divergence between the two
+next-token distributions at each of the first answer tokens says how much the image moved
+the answer; ``image_dependent`` compares the largest of them with the canary's calibrated
+threshold. (The first token alone is not enough: a description that always starts with
+"a" depends on the image only from its second word on.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fovea.guard.canary import kl_divergence
+from fovea.model.loader import LoadedModel
+from fovea.model.prompt import EncodedPrompt
+
+SCORED_TOKENS = 8
+
+
+@torch.inference_mode()
+def answer_logprobs(loaded: LoadedModel, prompt: EncodedPrompt, answer_ids: list[int]) -> torch.Tensor:
+    """[len(answer_ids), vocab] log-probabilities of each answer position, teacher-forced."""
+    ids = torch.tensor([prompt.input_ids + answer_ids], device=loaded.device)
+    out = loaded.model(input_ids=ids, pixel_values=prompt.pixel_values, logits_to_keep=len(answer_ids) + 1)
+    return torch.log_softmax(out.logits[0, :-1].float(), dim=-1).cpu()
+
+
+def answer_dependence(loaded: LoadedModel, prompt: EncodedPrompt, blank_twin: EncodedPrompt,
+                      answer_text: str, threshold: float, scored_tokens: int = SCORED_TOKENS) -> dict:
+    ids = loaded.tokenizer(answer_text, add_special_tokens=False)["input_ids"][:scored_tokens]
+    if not ids:
+        ids = [next(iter(loaded.eos_token_ids))]  # an empty answer: score its end-of-sequence decision
+    real = answer_logprobs(loaded, prompt, ids)
+    blank = answer_logprobs(loaded, blank_twin, ids)
+    kls = [kl_divergence(real[i], blank[i]) for i in range(len(ids))]
+    return {
+        "scored_tokens": len(ids),
+        "kl_per_token": [round(k, 6) for k in kls],
+        "mean_kl": round(sum(kls) / len(kls), 6),
+        "max_kl": round(max(kls), 6),
+        "threshold": round(threshold, 6),
+        "image_dependent": max(kls) > threshold,
+    }
