@@ -85,3 +85,15 @@ def test_loading_never_touches_the_network(monkeypatch, tmp_path):
     # A directory that looks like a hub id must not be resolved remotely.
     with pytest.raises(ModelLoadError):
         load_model("llava-hf/llava-1.5-7b-hf", device="cpu")
+
+
+def test_missing_weights_are_refused_not_randomly_initialised(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = copy_demo(tmp_path)
+    state = load_file(path / "model.safetensors")
+    key = next(k for k in state if "multi_modal_projector.linear_1.weight" in k)
+    state.pop(key)
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="missing from the checkpoint.*randomly initialised"):
+        load_model(path, device="cpu")

@@ -15,6 +15,7 @@ import torch
 from fovea.guard.canary import kl_divergence
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt
+from fovea.model.vision import embed_with_images, encode_images
 
 SCORED_TOKENS = 8
 
@@ -22,8 +23,10 @@ SCORED_TOKENS = 8
 @torch.inference_mode()
 def answer_logprobs(loaded: LoadedModel, prompt: EncodedPrompt, answer_ids: list[int]) -> torch.Tensor:
     """[len(answer_ids), vocab] log-probabilities of each answer position, teacher-forced."""
-    ids = torch.tensor([prompt.input_ids + answer_ids], device=loaded.device)
-    out = loaded.model(input_ids=ids, pixel_values=prompt.pixel_values, logits_to_keep=len(answer_ids) + 1)
+    ids = torch.tensor(prompt.input_ids + answer_ids, device=loaded.device)
+    rows = encode_images(loaded, prompt.pixel_values) if prompt.pixel_values is not None else None
+    embeds = embed_with_images(loaded, ids, rows).unsqueeze(0)
+    out = loaded.model(inputs_embeds=embeds, logits_to_keep=len(answer_ids) + 1)
     return torch.log_softmax(out.logits[0, :-1].float(), dim=-1).cpu()
 
 

@@ -247,8 +247,9 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
         notes.append(f"processor override in effect: {', '.join(f'{k}={in_use[k]}' for k in changed)}"
                      + (" (forced: normalisation differs from the model's)" if forced else ""))
 
-    # Expansion, finiteness and width of the vision output on a probe image.
-    vision_dtype = next(tower.parameters()).dtype
+    # Expansion, finiteness and width of the vision output on a probe image. The vision stage
+    # may differ from the model dtype only when this check itself moved it (float16 overflow).
+    vision_dtype = loaded.dtype
     tokens_per_image = -1
     if not any(v.part in ("projector input width", "chat template") for v in violations):
         try:
@@ -280,12 +281,13 @@ def _probe_vision(loaded: LoadedModel, violations: list[Violation], notes: list[
     pixels = encoded["pixel_values"].to(loaded.device, loaded.dtype)
     rows = encode_images(loaded, pixels)
     tower, projector = vision_modules(loaded)
-    vision_dtype = next(tower.parameters()).dtype
+    vision_dtype = loaded.dtype
     if not torch.isfinite(rows).all():
-        if loaded.dtype == torch.float16:
+        if loaded.dtype == torch.float16 and next(tower.parameters()).dtype == torch.float16:
             safer = torch.bfloat16 if (loaded.device.type != "cuda" or torch.cuda.is_bf16_supported()) else torch.float32
             tower.to(safer)
             projector.to(safer)
+            vision_dtype = safer
             rows = encode_images(loaded, pixels)
             if torch.isfinite(rows).all():
                 vision_dtype = safer

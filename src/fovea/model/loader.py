@@ -124,6 +124,26 @@ def has_chat_template(path: Path) -> bool:
     return False
 
 
+def refuse_partial_load(path: Path, info: dict) -> None:
+    """transformers re-initialises weights it could not load (missing, or of the wrong shape)
+    with a warning; served, such a model answers fluently from random vision weights."""
+    mismatched = [f"{key} (checkpoint {tuple(old)} vs config {tuple(new)})"
+                  for key, old, new in info.get("mismatched_keys") or []]
+    missing = sorted(info.get("missing_keys") or [])
+    problems = []
+    if mismatched:
+        problems.append(f"{len(mismatched)} weight(s) do not fit the config's shapes, e.g. {'; '.join(mismatched[:3])}")
+    if missing:
+        problems.append(f"{len(missing)} weight(s) are missing from the checkpoint, e.g. {', '.join(missing[:3])}")
+    if problems:
+        raise ModelLoadError(
+            f"transformers could not load {path} as-is: " + "; ".join(problems)
+            + ". They would be randomly initialised. Fix config.json (widths, layers) or the weights.")
+    unexpected = info.get("unexpected_keys") or []
+    if unexpected:
+        log.warning("%s: %d checkpoint tensor(s) unused by the model, e.g. %s", path, len(unexpected), unexpected[:3])
+
+
 def load_model(path: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     started = time.perf_counter()
     path = Path(path) if path else default_model_dir()
@@ -134,9 +154,11 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
     model_class = SUPPORTED_MODEL_TYPES[config["model_type"]]
     try:
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-        model = model_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+        model, info = model_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
+                                                  output_loading_info=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"transformers could not load {path}: {exc}") from exc
+    refuse_partial_load(path, info)
     # One device and one dtype for every parameter and buffer: the vision tower can never be
     # left behind on another device or in another precision.
     model.to(device=torch_device, dtype=torch_dtype).eval()

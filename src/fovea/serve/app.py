@@ -131,6 +131,12 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
         code = 503 if (settings.strict and status != "ok") else 200
         return JSONResponse(body, status_code=code)
 
+    @app.post("/fovea/canary")
+    async def canary_now():
+        """Run the grounding canary now (also runs at start-up and every --canary-interval seconds)."""
+        await run_canary()
+        return state.canary.last.to_dict()
+
     @app.get("/metrics")
     async def metrics_route():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,121 @@
+"""Attention over the paged KV cache: prefill chunks through SDPA, decodes through a
+paged-decode function (Triton on CUDA, a gather-by-block-table torch version elsewhere)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    offset: int  # where the chunk's tokens sit in the step's flat token list
+    length: int
+    start: int  # position of the chunk's first token in its sequence
+    block_ids: torch.Tensor  # [blocks covering positions 0 .. start + length) long, on device
+
+
+@dataclass(slots=True)
+class AttnMeta:
+    """One step's layout: ``num_decodes`` single-token decodes first, then prefill spans."""
+
+    slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) per token
+    num_decodes: int = 0
+    block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
+    context_lens: torch.Tensor | None = None  # [num_decodes] int32, the new token included
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store the step's new K/V rows ([T, kv_heads, head_dim]) at their slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+
+
+def _group_queries(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[n, H, D] -> [kv_heads, group * n, D]: each KV head's query heads as one long query
+    axis, so GQA needs no copies of K and V."""
+    n, heads, dim = q.shape
+    group = heads // num_kv_heads
+    return q.permute(1, 0, 2).reshape(num_kv_heads, group * n, dim)
+
+
+def _ungroup(out: torch.Tensor, n: int) -> torch.Tensor:
+    kv_heads, gn, dim = out.shape
+    return out.reshape(kv_heads * (gn // n), n, dim).permute(1, 0, 2)
+
+
+def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan,
+                      scale: float) -> torch.Tensor:
+    """One sequence's chunk: causal within the chunk, full over its earlier context."""
+    n, kv_heads = span.length, k_new.shape[1]
+    group = q.shape[1] // kv_heads
+    if span.start == 0:
+        # Nothing earlier: the chunk's own K/V are the whole context, and plain causal SDPA
+        # (flash on CUDA) applies once K/V are repeated to every query head.
+        k = k_new.repeat_interleave(group, dim=1) if group > 1 else k_new
+        v = v_new.repeat_interleave(group, dim=1) if group > 1 else v_new
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=n > 1, scale=scale)
+        return out.transpose(0, 1)
+    total = span.start + n
+    k = k_cache[span.block_ids].flatten(0, 1)[:total].transpose(0, 1)  # [KVH, total, D]
+    v = v_cache[span.block_ids].flatten(0, 1)[:total].transpose(0, 1)
+    positions = torch.arange(n, device=q.device).repeat(group).unsqueeze(1) + span.start
+    mask = torch.arange(total, device=q.device).unsqueeze(0) <= positions  # [group * n, total]
+    out = F.scaled_dot_product_attention(_group_queries(q, kv_heads), k, v, attn_mask=mask, scale=scale)
+    return _ungroup(out, n)
+
+
+def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference paged decode. q: [B, H, D]; returns [B, H, D].
+
+    Gathers each sequence's blocks by its table, masks positions past its context length.
+    """
+    batch, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    width = block_tables.shape[1] * block_size
+    tables = block_tables.long()
+    k = k_cache[tables].view(batch, width, kv_heads, dim).transpose(1, 2)  # [B, KVH, S, D]
+    v = v_cache[tables].view(batch, width, kv_heads, dim).transpose(1, 2)
+    mask = torch.arange(width, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1).long()
+    qg = q.view(batch, kv_heads, heads // kv_heads, dim)  # a KV head's query heads as a query axis
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(batch, heads, dim)
+
+
+class DecodeAttention:
+    """Chooses the paged-decode implementation once (Triton on CUDA when it works)."""
+
+    def __init__(self, use_triton: bool) -> None:
+        self.use_triton = use_triton
+        self._triton = None
+        if use_triton:
+            from fovea.engine.paged import triton_decode
+
+            self._triton = triton_decode.paged_decode
+
+    def __call__(self, q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+        if self._triton is not None:
+            return self._triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: AttnMeta, scale: float, decode: DecodeAttention) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, KVH, D] (already written to the cache) -> [T, H, D]."""
+    if not meta.prefills:
+        return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    for span in meta.prefills:
+        rows = slice(span.offset, span.offset + span.length)
+        out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
+    return out

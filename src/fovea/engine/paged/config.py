@@ -1,0 +1,52 @@
+"""Knobs of the paged engine, with device-dependent defaults resolved once at start-up."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+MiB = 1024 * 1024
+
+
+@dataclass(slots=True)
+class PagedEngineConfig:
+    block_size: int = 16
+    # Tokens one step may compute (decodes + prefill chunks). None: 2048 on CUDA, 512 on CPU.
+    max_num_batched_tokens: int | None = None
+    # Sequences in the running batch at once. None: 256 on CUDA, 16 on CPU.
+    max_num_seqs: int | None = None
+    max_queue: int = 256  # requests waiting beyond this are refused with 429
+    max_model_len: int | None = None  # None: the model's context length
+    # CUDA: an upper bound on the measured KV budget. CPU: the KV budget itself (None: 256 MiB).
+    kv_cache_max_bytes: int | None = None
+    num_blocks: int | None = None  # a fixed block count (tests, experiments): skips sizing
+    gpu_memory_margin_bytes: int = 1024 * MiB  # left free on CUDA for fragmentation, graphs, NCCL...
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool | None = None  # None: on when the device is CUDA (needs the Triton decode)
+    max_graph_batch: int = 256
+    triton_decode: bool | None = None  # None: on CUDA when triton imports and passes a self-check
+    vision_batch_size: int = 8  # images per vision-tower call: bounds the encoder's activation peak
+    cpu_threads: int | None = None  # as EngineConfig.cpu_threads: all cores but one by default
+    encoder_cache_bytes: int = 256 * MiB
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_queue < 1 or self.vision_batch_size < 1:
+            raise ValueError("block_size, max_queue and vision_batch_size must be positive")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive")
+
+    def resolved(self, device: torch.device, context_length: int) -> PagedEngineConfig:
+        """A copy with every None default filled in for this device and model."""
+        cuda = device.type == "cuda"
+        tokens = self.max_num_batched_tokens or (2048 if cuda else 512)
+        # A decode takes one token of the step budget, so more sequences than tokens cannot run.
+        seqs = min(self.max_num_seqs or (256 if cuda else 16), tokens)
+        model_len = min(self.max_model_len or context_length, context_length)
+        triton_decode = cuda if self.triton_decode is None else (self.triton_decode and cuda)
+        graphs = cuda if self.cuda_graphs is None else (self.cuda_graphs and cuda)
+        return dataclasses.replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs,
+                                   max_model_len=model_len, triton_decode=triton_decode, cuda_graphs=graphs)

@@ -1,0 +1,120 @@
+"""One request's state inside the paged engine: its tokens, its blocks, its progress."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from fovea.engine.detokenize import IncrementalDetokenizer
+from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent
+from fovea.engine.sampling import make_generator
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def image_index_per_position(input_ids: list[int], image_token_id: int, tokens_per_image: int) -> list[int]:
+    """For each prompt position, which image fills it (-1: a text token).
+
+    Image embeddings are scattered in order into the image-token positions (as in
+    hf_runner), so the k-th image token belongs to image k // tokens_per_image.
+    """
+    out, seen = [], 0
+    for token in input_ids:
+        if token == image_token_id and tokens_per_image > 0:
+            out.append(seen // tokens_per_image)
+            seen += 1
+        else:
+            out.append(-1)
+    return out
+
+
+class Sequence:
+    """Tokens are prompt + generated; ``num_computed`` of them have K/V in the cache.
+
+    Each step computes tokens [num_computed, num_computed + n); when that reaches the end
+    of ``token_ids`` the last position's logits give the next token. A preempted sequence
+    keeps its generated tokens and is recomputed from scratch (or from cached blocks).
+    """
+
+    def __init__(self, seq_id: int, request: EngineRequest, image_token_id: int,
+                 device: torch.device, tokenizer) -> None:
+        prompt = request.prompt
+        self.seq_id = seq_id
+        self.request = request
+        self.token_ids: list[int] = list(prompt.input_ids)
+        self.prompt_len = len(self.token_ids)
+        self.image_of_pos = image_index_per_position(self.token_ids, image_token_id, prompt.tokens_per_image)
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of leading full blocks (see block_manager)
+        self.status = SeqStatus.WAITING
+        self.prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden] while prefilling
+        self.generator = make_generator(request.params, device)
+        self.detok = IncrementalDetokenizer(tokenizer, request.params.stop)
+        self.produced = 0
+        self.first_token_s: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.remaining == 1 and self.num_computed >= self.prompt_len
+
+    def block_extra(self, index: int, block_size: int) -> tuple[str, ...]:
+        """Content hashes of the images whose token runs overlap block ``index``.
+
+        Image tokens all share one id, so without this two different images would hash
+        to the same blocks.
+        """
+        lo, hi = index * block_size, min((index + 1) * block_size, self.prompt_len)
+        hashes = self.request.prompt.image_hashes
+        seen: list[str] = []
+        for image in self.image_of_pos[lo:hi] if lo < hi else ():
+            if image >= 0 and (not seen or seen[-1] != hashes[image]):
+                seen.append(hashes[image])
+        return tuple(seen)
+
+    # ---- events ----------------------------------------------------------------------
+    def append_token(self, token: int, eos: set[int]) -> str | None:
+        """Record a sampled token and emit it; return a finish reason, or None to go on."""
+        self.produced += 1
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter() - self.request.arrival
+        if token in eos:
+            return "stop"
+        self.token_ids.append(token)
+        text = self.detok.push(token)
+        self.request.emit(TokenEvent(text, token))
+        if self.detok.stopped:
+            return "stop"
+        if self.produced >= self.request.params.max_tokens:
+            return "length"
+        return None
+
+    def emit_finish(self, reason: str) -> None:
+        tail = self.detok.flush()
+        if tail:
+            self.request.emit(TokenEvent(tail, -1))
+        req = self.request
+        req.emit(FinishEvent(
+            finish_reason=reason,
+            text=self.detok.text,
+            prompt_tokens=self.prompt_len,
+            completion_tokens=self.produced,
+            first_token_s=self.first_token_s,
+            total_s=time.perf_counter() - req.arrival,
+            first_logprobs=req.first_logprobs,
+        ))
