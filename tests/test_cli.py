@@ -25,3 +25,21 @@ def test_chat_refuses_a_broken_image_and_a_bad_model_dir(tmp_path):
     assert result.returncode == 2 and "error" in result.stderr.lower()
     result = run_cli("chat", "--model", str(tmp_path), "--image", str(broken), "hi")
     assert result.returncode == 2 and "config.json is missing" in result.stderr
+
+
+def test_doctor_reports_this_machine_and_the_model_contract():
+    import json
+
+    result = run_cli("doctor", "--json")
+    report = json.loads(result.stdout)
+    names = {c["name"]: c for c in report["checks"]}
+    assert result.returncode == (0 if report["ok"] else 1)
+    assert names["contract"]["status"] == "pass" and "64 image tokens per image" in names["contract"]["detail"]
+    assert names["model.directory"]["status"] == "pass"
+    assert {"torch.cuda", "gpu.visibility", "env.CUDA_VISIBLE_DEVICES", "container"} <= set(names)
+
+
+def test_doctor_fails_on_a_directory_that_is_not_a_model(tmp_path):
+    result = run_cli("doctor", "--model", str(tmp_path))
+    assert result.returncode == 1
+    assert "[fail] model.directory" in result.stdout and "config.json is missing" in result.stdout

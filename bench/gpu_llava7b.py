@@ -1,0 +1,326 @@
+"""Build, check and time fovea against transformers on a random-weight LLaVA-1.5-7B (one GPU).
+
+    python bench/gpu_llava7b.py --out $OUT [--engine paged|simple] [--quick]
+
+One run, one table. Every figure stands beside the Hugging Face baseline measured in the
+same run and beside its floor, computed from FLOPs and bytes with the ceilings measured at
+the start of the run (device-to-device copy bandwidth, bf16 matrix rate). Speed does not
+depend on the weights' values, so the weights are random (seeded); the architecture is
+llava-hf/llava-1.5-7b-hf's: CLIP ViT-L/14 at 336 px (576 image tokens, feature layer -2),
+a two-layer GELU projector, and a Llama-2-7B language model.
+
+Sections: ceilings; correctness (fovea's logits vs transformers' within bf16 tolerance,
+and greedy tokens); single request (TTFT, decode ms/step); vision stage at batch 32;
+throughput (256 requests x (1 image + 64 text tokens) -> 128 greedy tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from fovea.engine.engine import Engine, EngineConfig  # noqa: E402
+from fovea.engine.request import FinishEvent, TokenEvent  # noqa: E402
+from fovea.engine.sampling import SamplingParams  # noqa: E402
+from fovea.model.loader import LoadedModel  # noqa: E402
+from fovea.model.prompt import EncodedPrompt  # noqa: E402
+from fovea.model.vision import encode_images, pixel_hash  # noqa: E402
+
+IMAGE_TOKEN = 32000
+VOCAB = 32064
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- the model -------------------------------------------------------------------------
+
+def llava7b_config():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                              image_size=336, patch_size=14, projection_dim=768, hidden_act="quick_gelu")
+    text = LlamaConfig(vocab_size=VOCAB, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                       rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                       projector_hidden_act="gelu", vision_feature_select_strategy="default",
+                       vision_feature_layer=-2, image_seq_length=576)
+
+
+class NumberTokenizer:
+    """Stands in for the Llama tokenizer: speed does not depend on the text."""
+
+    eos_token_id = -1  # never produced: requests run to max_tokens
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(f"t{i}" for i in ids)
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(t[1:]) for t in text.split()]}
+
+
+class Processor:
+    tokenizer = NumberTokenizer()
+
+
+def build_model(device: torch.device) -> LoadedModel:
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = llava7b_config()
+    with torch.device(device):
+        model = LlavaForConditionalGeneration(config).to(torch.bfloat16).eval()
+    # Never stop early: every request makes exactly max_tokens tokens, in fovea and in HF.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    loaded = LoadedModel(path=ROOT, name="llava-1.5-7b-random", model=model, processor=Processor(), device=device,
+                         dtype=torch.bfloat16, image_token_id=IMAGE_TOKEN, image_token="<image>",
+                         context_length=4096, load_seconds=0.0)
+    return loaded
+
+
+def make_prompt(loaded: LoadedModel, seed: int, text_tokens: int = 64) -> EncodedPrompt:
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(3, 31000, (text_tokens,), generator=g).tolist()
+    ids = [1] + text[:5] + [IMAGE_TOKEN] * 576 + text[5:]
+    pixels = torch.randn(1, 3, 336, 336, generator=g)
+    return EncodedPrompt(ids, pixels.to(loaded.device, loaded.dtype), 1, "", [pixel_hash(pixels[0])], 576)
+
+
+# ---- ceilings --------------------------------------------------------------------------
+
+def time_cuda(fn, reps: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    n = 2 * 1024**3  # 2 GiB
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_()
+    copy_s = time_cuda(lambda: b.copy_(a))
+    bandwidth = 2 * n / copy_s  # bytes read + written
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    mm_s = time_cuda(lambda: x @ y, reps=10)
+    flops = 2 * m**3 / mm_s
+    return {"copy_bandwidth_Bps": bandwidth, "bf16_matmul_flops": flops}
+
+
+# ---- counting ----------------------------------------------------------------------------
+
+def lm_params(loaded) -> int:
+    return sum(p.numel() for n, p in loaded.model.named_parameters() if "language_model" in n or "lm_head" in n)
+
+
+def vision_params(loaded) -> int:
+    return sum(p.numel() for n, p in loaded.model.named_parameters()
+               if "vision_tower" in n or "multi_modal_projector" in n)
+
+
+def vision_flops_per_image(loaded) -> float:
+    cfg = loaded.model.config.vision_config
+    tokens = (cfg.image_size // cfg.patch_size) ** 2 + 1
+    linear = 2 * vision_params(loaded) * tokens
+    attention = 4 * cfg.num_hidden_layers * tokens * tokens * cfg.hidden_size
+    return linear + attention
+
+
+def prefill_flops(loaded, prompt_tokens: int) -> float:
+    cfg = loaded.model.config.text_config
+    return 2 * lm_params(loaded) * prompt_tokens + 2 * cfg.num_hidden_layers * prompt_tokens**2 * cfg.hidden_size
+
+
+# ---- runs --------------------------------------------------------------------------------
+
+async def run_requests(engine, prompts, max_tokens: int) -> list[dict]:
+    async def one(p):
+        start = time.perf_counter()
+        stamps = []
+        async for event in engine.generate(p, SamplingParams(max_tokens=max_tokens, temperature=0.0)):
+            if isinstance(event, TokenEvent) and event.token_id >= 0:
+                stamps.append(time.perf_counter())
+            elif isinstance(event, FinishEvent):
+                return {"ttft": event.first_token_s, "total": event.total_s, "tokens": event.completion_tokens,
+                        "stamps": [s - start for s in stamps]}
+        return {}
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def make_engine(kind: str, loaded: LoadedModel, max_batch: int):
+    if kind == "paged":
+        from fovea.engine.paged import PagedEngine, PagedEngineConfig
+
+        return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=max_batch))
+    return Engine(loaded, EngineConfig(max_batch_size=max_batch, max_queue=4096))
+
+
+def hf_generate(loaded, prompts: list[EncodedPrompt], max_new: int) -> float:
+    ids = torch.tensor([p.input_ids for p in prompts], device=loaded.device)
+    pixels = torch.cat([p.pixel_values for p in prompts])
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with torch.inference_mode():
+        loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+                              max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    parser.add_argument("--engine", default="paged", choices=["paged", "simple"])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    results: dict = {"engine": args.engine, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    rows: list[tuple[str, str, str, str, str]] = []
+
+    c = ceilings()
+    results["ceilings"] = c
+    log(f"ceilings: copy {c['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 matmul {c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
+    t0 = time.time()
+    loaded = build_model(device)
+    log(f"model built in {time.time() - t0:.1f} s: LM {lm_params(loaded) / 1e9:.2f} B, vision+projector "
+        f"{vision_params(loaded) / 1e9:.3f} B parameters")
+    weight_bytes = 2 * sum(p.numel() for p in loaded.model.parameters())
+    lm_bytes = 2 * lm_params(loaded)
+
+    engine = make_engine(args.engine, loaded, max_batch=256)
+    engine.start()
+    try:
+        # -- correctness: greedy tokens vs HF generate, and first-step logits.
+        try:
+            prompt = make_prompt(loaded, 1)
+            ref = None
+            ids = torch.tensor([prompt.input_ids], device=device)
+            with torch.inference_mode():
+                out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                            pixel_values=prompt.pixel_values, max_new_tokens=16, min_new_tokens=16,
+                                            do_sample=False, output_logits=True, return_dict_in_generate=True)
+                ref = out.sequences[0, ids.shape[1]:].tolist()
+                ref_logits = torch.log_softmax(out.logits[0][0].float(), dim=-1)
+            got = asyncio.run(_tokens_and_logits(engine, prompt))
+            rel = float((got[1].to(device) - ref_logits).norm() / ref_logits.norm())
+            agree = sum(a == b for a, b in zip(got[0], ref))
+            results["check"] = {"first_logits_rel_err": rel, "greedy_tokens_equal": agree, "of": len(ref)}
+            log(f"check: first-token logits rel. error {rel:.2e} (bf16 tolerance 1e-2); greedy tokens equal "
+                f"{agree}/{len(ref)}")
+            rows.append(("check", "first-token logits rel err", f"{rel:.1e}", "-", "< 1e-2"))
+        except Exception:
+            traceback.print_exc()
+
+        # -- single request: TTFT and decode ms/step.
+        reps = 3 if args.quick else 7
+        singles = []
+        for i in range(reps + 1):
+            singles.append(asyncio.run(run_requests(engine, [make_prompt(loaded, 100 + i)], 128))[0])
+        singles = singles[1:]
+        steps = [(s["stamps"][-1] - s["stamps"][0]) / (len(s["stamps"]) - 1) for s in singles]
+        fovea_step = statistics.median(steps)
+        fovea_ttft = statistics.median(s["ttft"] for s in singles)
+        p = make_prompt(loaded, 7)
+        hf_1 = statistics.median(hf_generate(loaded, [p], 1) for _ in range(3))
+        hf_129 = statistics.median(hf_generate(loaded, [p], 129) for _ in range(2))
+        hf_step = (hf_129 - hf_1) / 128
+        floor_step = lm_bytes / c["copy_bandwidth_Bps"]
+        n_prompt = len(p.input_ids)
+        floor_ttft = (prefill_flops(loaded, n_prompt) + vision_flops_per_image(loaded)) / c["bf16_matmul_flops"]
+        results["single"] = {"fovea_step_ms": 1e3 * fovea_step, "hf_step_ms": 1e3 * hf_step,
+                             "floor_step_ms": 1e3 * floor_step, "fovea_ttft_ms": 1e3 * fovea_ttft,
+                             "hf_ttft_ms": 1e3 * hf_1, "floor_ttft_ms": 1e3 * floor_ttft, "prompt_tokens": n_prompt}
+        rows.append(("single", "decode ms/step", f"{1e3 * fovea_step:.2f}", f"{1e3 * hf_step:.2f}",
+                     f"{1e3 * floor_step:.2f} (bytes)"))
+        rows.append(("single", "TTFT ms", f"{1e3 * fovea_ttft:.1f}", f"{1e3 * hf_1:.1f}",
+                     f"{1e3 * floor_ttft:.1f} (FLOPs)"))
+        log(f"single: {results['single']}")
+
+        # -- vision stage at batch 32.
+        pixels = torch.randn(32, 3, 336, 336, device=device, dtype=torch.bfloat16)
+        vis_s = time_cuda(lambda: encode_images(loaded, pixels), reps=5 if args.quick else 10)
+        with torch.inference_mode():
+            hf_vis_s = time_cuda(lambda: loaded.model.get_image_features(
+                pixel_values=pixels, vision_feature_layer=-2, vision_feature_select_strategy="default"),
+                reps=5 if args.quick else 10)
+        vis_floor = 32 * vision_flops_per_image(loaded) / c["bf16_matmul_flops"]
+        results["vision"] = {"fovea_images_per_s": 32 / vis_s, "hf_images_per_s": 32 / hf_vis_s,
+                             "floor_images_per_s": 32 / vis_floor}
+        rows.append(("vision b32", "images/s", f"{32 / vis_s:.0f}", f"{32 / hf_vis_s:.0f}", f"{32 / vis_floor:.0f} (FLOPs)"))
+        log(f"vision: {results['vision']}")
+
+        # -- throughput: N requests, 128 greedy tokens each.
+        n = 32 if args.quick else args.requests
+        prompts = [make_prompt(loaded, 1000 + i) for i in range(n)]
+        t = time.perf_counter()
+        outs = asyncio.run(run_requests(engine, prompts, 128))
+        wall = time.perf_counter() - t
+        tokens = sum(o["tokens"] for o in outs)
+        hf_b = min(32, n)
+        hf_wall = hf_generate(loaded, prompts[:hf_b], 128)
+        # Roofline: every request's prefill (FLOPs) plus 128 decode steps at the batch size,
+        # each step bounded below by reading the weights and the KV cache, or by its FLOPs.
+        prefill = n * (prefill_flops(loaded, len(prompts[0].input_ids)) + vision_flops_per_image(loaded))
+        cfg = loaded.model.config.text_config
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * 2
+        ctx = len(prompts[0].input_ids) + 64
+        decode_bytes = 128 * lm_bytes + n * 128 * ctx * kv_per_token  # at full batch
+        decode_flops = n * 128 * 2 * lm_params(loaded)
+        bound_s = prefill / c["bf16_matmul_flops"] + max(decode_flops / c["bf16_matmul_flops"],
+                                                         decode_bytes / c["copy_bandwidth_Bps"])
+        results["throughput"] = {"requests": n, "fovea_tok_s": tokens / wall, "hf_b32_tok_s": hf_b * 128 / hf_wall,
+                                 "roofline_tok_s": n * 128 / bound_s, "wall_s": wall}
+        rows.append((f"{n} requests", "output tok/s", f"{tokens / wall:.0f}", f"{hf_b * 128 / hf_wall:.0f} (b{hf_b})",
+                     f"{n * 128 / bound_s:.0f} (roofline)"))
+        log(f"throughput: {results['throughput']}")
+    finally:
+        engine.stop()
+        results["weight_bytes"] = weight_bytes
+        Path(args.out, "gpu_bench.json").write_text(json.dumps(results, indent=2))
+        print(f"\n{'section':<16}{'metric':<28}{'fovea':>12}{'HF':>16}{'floor/bound':>20}")
+        for r in rows:
+            print(f"{r[0]:<16}{r[1]:<28}{r[2]:>12}{r[3]:>16}{r[4]:>20}")
+    return 0
+
+
+async def _tokens_and_logits(engine, prompt):
+    tokens, logprobs = [], None
+    async for event in engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0), want_first_logprobs=True):
+        if isinstance(event, TokenEvent) and event.token_id >= 0:
+            tokens.append(event.token_id)
+        elif isinstance(event, FinishEvent):
+            logprobs = event.first_logprobs
+    return tokens, logprobs
+
+
+if __name__ == "__main__":
+    sys.exit(main())
