@@ -1,6 +1,6 @@
 """Build, check and time fovea against transformers on a random-weight LLaVA-1.5-7B (one GPU).
 
-    python bench/gpu_llava7b.py --out $OUT [--engine paged|simple] [--quick]
+    python bench/gpu_llava7b.py --out $OUT [--engines paged,simple] [--quick]
 
 One run, one table. Every figure stands beside the Hugging Face baseline measured in the
 same run and beside its floor, computed from FLOPs and bytes with the ceilings measured at
@@ -85,6 +85,17 @@ def build_model(device: torch.device) -> LoadedModel:
     config = llava7b_config()
     with torch.device(device):
         model = LlavaForConditionalGeneration(config).to(torch.bfloat16).eval()
+    # Random values everywhere (never time zeros or uninitialised memory): N(0, 0.02) for
+    # matrices and embeddings, 1 +- 0.02 for norm scales, small biases.
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.02, generator=g)
+            elif "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.02, generator=g)
+            else:
+                p.normal_(0.0, 0.002, generator=g)
     # Never stop early: every request makes exactly max_tokens tokens, in fovea and in HF.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -198,12 +209,12 @@ def hf_generate(loaded, prompts: list[EncodedPrompt], max_new: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    parser.add_argument("--engine", default="paged", choices=["paged", "simple"])
+    parser.add_argument("--engines", default="paged,simple", help="comma list of fovea engines to time")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    results: dict = {"engine": args.engine, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    results: dict = {"engines": args.engines, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     rows: list[tuple[str, str, str, str, str]] = []
 
     c = ceilings()
@@ -216,100 +227,103 @@ def main() -> int:
     weight_bytes = 2 * sum(p.numel() for p in loaded.model.parameters())
     lm_bytes = 2 * lm_params(loaded)
 
-    engine = make_engine(args.engine, loaded, max_batch=256)
-    engine.start()
-    try:
-        # -- correctness: greedy tokens vs HF generate, and first-step logits.
+    reps = 3 if args.quick else 7
+    n = 32 if args.quick else args.requests
+    p = make_prompt(loaded, 7)
+    n_prompt = len(p.input_ids)
+    # -- transformers baselines, once.
+    hf = {}
+    hf["ttft"] = statistics.median(hf_generate(loaded, [p], 1) for _ in range(3))
+    hf_129 = statistics.median(hf_generate(loaded, [p], 129) for _ in range(2))
+    hf["step"] = (hf_129 - hf["ttft"]) / 128
+    pixels = torch.randn(32, 3, 336, 336, device=device, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        hf["vision_s"] = time_cuda(lambda: loaded.model.get_image_features(
+            pixel_values=pixels, vision_feature_layer=-2, vision_feature_select_strategy="default"), reps=5)
+    prompts = [make_prompt(loaded, 1000 + i) for i in range(n)]
+    hf_b = min(32, n)
+    hf["batch_tok_s"] = hf_b * 128 / hf_generate(loaded, prompts[:hf_b], 128)
+    log(f"transformers: {hf}")
+
+    floor_step = lm_bytes / c["copy_bandwidth_Bps"]
+    floor_ttft = (prefill_flops(loaded, n_prompt) + vision_flops_per_image(loaded)) / c["bf16_matmul_flops"]
+    vis_floor = 32 * vision_flops_per_image(loaded) / c["bf16_matmul_flops"]
+    prefill = n * (prefill_flops(loaded, n_prompt) + vision_flops_per_image(loaded))
+    cfg = loaded.model.config.text_config
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * 2
+    ctx = n_prompt + 64
+    decode_bytes = 128 * lm_bytes + n * 128 * ctx * kv_per_token
+    decode_flops = n * 128 * 2 * lm_params(loaded)
+    bound_s = prefill / c["bf16_matmul_flops"] + max(decode_flops / c["bf16_matmul_flops"],
+                                                     decode_bytes / c["copy_bandwidth_Bps"])
+    vis_s = time_cuda(lambda: encode_images(loaded, pixels), reps=5 if args.quick else 10)
+    results["vision"] = {"fovea_images_per_s": 32 / vis_s, "hf_images_per_s": 32 / hf["vision_s"],
+                         "floor_images_per_s": 32 / vis_floor}
+    rows.append(("vision b32", "images/s", f"{32 / vis_s:.0f}", f"{32 / hf['vision_s']:.0f}",
+                 f"{32 / vis_floor:.0f} (FLOPs)"))
+    results["hf"] = hf
+
+    for kind in args.engines.split(","):
+        engine = make_engine(kind, loaded, max_batch=256)
+        engine.start()
         try:
-            prompt = make_prompt(loaded, 1)
-            ref = None
-            ids = torch.tensor([prompt.input_ids], device=device)
-            with torch.inference_mode():
-                out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                            pixel_values=prompt.pixel_values, max_new_tokens=16, min_new_tokens=16,
-                                            do_sample=False, output_logits=True, return_dict_in_generate=True)
-                ref = out.sequences[0, ids.shape[1]:].tolist()
-                ref_logits = torch.log_softmax(out.logits[0][0].float(), dim=-1)
-            got = asyncio.run(_tokens_and_logits(engine, prompt))
-            rel = float((got[1].to(device) - ref_logits).norm() / ref_logits.norm())
-            agree = sum(a == b for a, b in zip(got[0], ref))
-            results["check"] = {"first_logits_rel_err": rel, "greedy_tokens_equal": agree, "of": len(ref)}
-            log(f"check: first-token logits rel. error {rel:.2e} (bf16 tolerance 1e-2); greedy tokens equal "
-                f"{agree}/{len(ref)}")
-            rows.append(("check", "first-token logits rel err", f"{rel:.1e}", "-", "< 1e-2"))
+            run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, floor_step, floor_ttft,
+                       bound_s, n_prompt)
         except Exception:
             traceback.print_exc()
-
-        # -- single request: TTFT and decode ms/step.
-        reps = 3 if args.quick else 7
-        singles = []
-        for i in range(reps + 1):
-            singles.append(asyncio.run(run_requests(engine, [make_prompt(loaded, 100 + i)], 128))[0])
-        singles = singles[1:]
-        steps = [(s["stamps"][-1] - s["stamps"][0]) / (len(s["stamps"]) - 1) for s in singles]
-        fovea_step = statistics.median(steps)
-        fovea_ttft = statistics.median(s["ttft"] for s in singles)
-        p = make_prompt(loaded, 7)
-        hf_1 = statistics.median(hf_generate(loaded, [p], 1) for _ in range(3))
-        hf_129 = statistics.median(hf_generate(loaded, [p], 129) for _ in range(2))
-        hf_step = (hf_129 - hf_1) / 128
-        floor_step = lm_bytes / c["copy_bandwidth_Bps"]
-        n_prompt = len(p.input_ids)
-        floor_ttft = (prefill_flops(loaded, n_prompt) + vision_flops_per_image(loaded)) / c["bf16_matmul_flops"]
-        results["single"] = {"fovea_step_ms": 1e3 * fovea_step, "hf_step_ms": 1e3 * hf_step,
-                             "floor_step_ms": 1e3 * floor_step, "fovea_ttft_ms": 1e3 * fovea_ttft,
-                             "hf_ttft_ms": 1e3 * hf_1, "floor_ttft_ms": 1e3 * floor_ttft, "prompt_tokens": n_prompt}
-        rows.append(("single", "decode ms/step", f"{1e3 * fovea_step:.2f}", f"{1e3 * hf_step:.2f}",
-                     f"{1e3 * floor_step:.2f} (bytes)"))
-        rows.append(("single", "TTFT ms", f"{1e3 * fovea_ttft:.1f}", f"{1e3 * hf_1:.1f}",
-                     f"{1e3 * floor_ttft:.1f} (FLOPs)"))
-        log(f"single: {results['single']}")
-
-        # -- vision stage at batch 32.
-        pixels = torch.randn(32, 3, 336, 336, device=device, dtype=torch.bfloat16)
-        vis_s = time_cuda(lambda: encode_images(loaded, pixels), reps=5 if args.quick else 10)
-        with torch.inference_mode():
-            hf_vis_s = time_cuda(lambda: loaded.model.get_image_features(
-                pixel_values=pixels, vision_feature_layer=-2, vision_feature_select_strategy="default"),
-                reps=5 if args.quick else 10)
-        vis_floor = 32 * vision_flops_per_image(loaded) / c["bf16_matmul_flops"]
-        results["vision"] = {"fovea_images_per_s": 32 / vis_s, "hf_images_per_s": 32 / hf_vis_s,
-                             "floor_images_per_s": 32 / vis_floor}
-        rows.append(("vision b32", "images/s", f"{32 / vis_s:.0f}", f"{32 / hf_vis_s:.0f}", f"{32 / vis_floor:.0f} (FLOPs)"))
-        log(f"vision: {results['vision']}")
-
-        # -- throughput: N requests, 128 greedy tokens each.
-        n = 32 if args.quick else args.requests
-        prompts = [make_prompt(loaded, 1000 + i) for i in range(n)]
-        t = time.perf_counter()
-        outs = asyncio.run(run_requests(engine, prompts, 128))
-        wall = time.perf_counter() - t
-        tokens = sum(o["tokens"] for o in outs)
-        hf_b = min(32, n)
-        hf_wall = hf_generate(loaded, prompts[:hf_b], 128)
-        # Roofline: every request's prefill (FLOPs) plus 128 decode steps at the batch size,
-        # each step bounded below by reading the weights and the KV cache, or by its FLOPs.
-        prefill = n * (prefill_flops(loaded, len(prompts[0].input_ids)) + vision_flops_per_image(loaded))
-        cfg = loaded.model.config.text_config
-        kv_per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * 2
-        ctx = len(prompts[0].input_ids) + 64
-        decode_bytes = 128 * lm_bytes + n * 128 * ctx * kv_per_token  # at full batch
-        decode_flops = n * 128 * 2 * lm_params(loaded)
-        bound_s = prefill / c["bf16_matmul_flops"] + max(decode_flops / c["bf16_matmul_flops"],
-                                                         decode_bytes / c["copy_bandwidth_Bps"])
-        results["throughput"] = {"requests": n, "fovea_tok_s": tokens / wall, "hf_b32_tok_s": hf_b * 128 / hf_wall,
-                                 "roofline_tok_s": n * 128 / bound_s, "wall_s": wall}
-        rows.append((f"{n} requests", "output tok/s", f"{tokens / wall:.0f}", f"{hf_b * 128 / hf_wall:.0f} (b{hf_b})",
-                     f"{n * 128 / bound_s:.0f} (roofline)"))
-        log(f"throughput: {results['throughput']}")
-    finally:
-        engine.stop()
-        results["weight_bytes"] = weight_bytes
-        Path(args.out, "gpu_bench.json").write_text(json.dumps(results, indent=2))
-        print(f"\n{'section':<16}{'metric':<28}{'fovea':>12}{'HF':>16}{'floor/bound':>20}")
-        for r in rows:
-            print(f"{r[0]:<16}{r[1]:<28}{r[2]:>12}{r[3]:>16}{r[4]:>20}")
+        finally:
+            engine.stop()
+            del engine
+            torch.cuda.empty_cache()
+    results["weight_bytes"] = weight_bytes
+    Path(args.out, "gpu_bench.json").write_text(json.dumps(results, indent=2))
+    print(f"\n{'section':<22}{'metric':<28}{'fovea':>12}{'HF':>16}{'floor/bound':>20}")
+    for r in rows:
+        print(f"{r[0]:<22}{r[1]:<28}{r[2]:>12}{r[3]:>16}{r[4]:>20}")
     return 0
+
+
+def run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, floor_step, floor_ttft, bound_s,
+               n_prompt) -> None:
+    out: dict = {}
+    results[kind] = out
+    # -- correctness: first-token log-probabilities and greedy tokens vs transformers.
+    prompt = make_prompt(loaded, 1)
+    ids = torch.tensor([prompt.input_ids], device=device)
+    with torch.inference_mode():
+        ref = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                    pixel_values=prompt.pixel_values, max_new_tokens=16, min_new_tokens=16,
+                                    do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref_tokens = ref.sequences[0, ids.shape[1]:].tolist()
+    ref_logprobs = torch.log_softmax(ref.logits[0][0].float(), dim=-1)
+    tokens, logprobs = asyncio.run(_tokens_and_logits(engine, prompt))
+    rel = float((logprobs.to(device) - ref_logprobs).norm() / ref_logprobs.norm())
+    agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(ref_tokens))
+    out["check"] = {"first_logprobs_rel_err": rel, "greedy_prefix_equal": agree, "of": len(ref_tokens)}
+    log(f"{kind} check: first-token log-prob rel. error {rel:.2e}; greedy tokens equal for {agree}/{len(ref_tokens)}")
+    rows.append((f"{kind}: check", "logprob rel err / tokens", f"{rel:.1e}", f"{agree}/{len(ref_tokens)} equal", "< 1e-2"))
+    # -- single request.
+    singles = [asyncio.run(run_requests(engine, [make_prompt(loaded, 100 + i)], 128))[0] for i in range(reps + 1)][1:]
+    step = statistics.median((s["stamps"][-1] - s["stamps"][0]) / (len(s["stamps"]) - 1) for s in singles)
+    ttft = statistics.median(s["ttft"] for s in singles)
+    out["single"] = {"step_ms": 1e3 * step, "ttft_ms": 1e3 * ttft, "floor_step_ms": 1e3 * floor_step,
+                     "floor_ttft_ms": 1e3 * floor_ttft, "prompt_tokens": n_prompt}
+    rows.append((f"{kind}: single", "decode ms/step", f"{1e3 * step:.2f}", f"{1e3 * hf['step']:.2f}",
+                 f"{1e3 * floor_step:.2f} (bytes)"))
+    rows.append((f"{kind}: single", "TTFT ms", f"{1e3 * ttft:.1f}", f"{1e3 * hf['ttft']:.1f}",
+                 f"{1e3 * floor_ttft:.1f} (FLOPs)"))
+    log(f"{kind} single: {out['single']}")
+    # -- throughput.
+    t = time.perf_counter()
+    outs = asyncio.run(run_requests(engine, prompts, 128))
+    wall = time.perf_counter() - t
+    tokens_out = sum(o["tokens"] for o in outs)
+    n = len(prompts)
+    out["throughput"] = {"requests": n, "tok_s": tokens_out / wall, "roofline_tok_s": n * 128 / bound_s,
+                         "wall_s": wall, "ttft_p50_s": statistics.median(o["ttft"] for o in outs)}
+    rows.append((f"{kind}: {n} requests", "output tok/s", f"{tokens_out / wall:.0f}",
+                 f"{hf['batch_tok_s']:.0f} (b32)", f"{n * 128 / bound_s:.0f} (roofline)"))
+    log(f"{kind} throughput: {out['throughput']}")
 
 
 async def _tokens_and_logits(engine, prompt):
