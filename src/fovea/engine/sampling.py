@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+GREEDY_BELOW = 1e-4
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 64
@@ -25,7 +28,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this temperature softmax(logits / T) overflows; its limit is the arg-max anyway.
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -49,6 +53,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         keep = cumulative - sorted_probs < params.top_p
+        keep[0] = True  # the most likely token always stays, however small top_p is
         sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
         return int(order[choice].item())

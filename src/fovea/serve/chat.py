@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from PIL import Image
 
 from fovea.errors import FoveaError, InvalidRequest
-from fovea.model.prompt import EncodedPrompt, encode_prompt, render_chat
+from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch, encode_prompt, render_chat
 from fovea.serve.generation import respond
 from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart
 from fovea.serve.state import ServerState
@@ -29,7 +29,17 @@ def check_model_name(state: ServerState, name: str | None) -> None:
                             "(GET /v1/models lists it).", param="model")
 
 
-def to_template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+def refuse_typed_placeholder(text: str, image_token: str, where: str) -> None:
+    """The image token typed as text would be read as an image slot with no image behind it."""
+    if image_token in text:
+        raise PlaceholderMismatch(
+            f"{where} contains the text {image_token!r}, which this model reserves for images; remove it and "
+            "send images as image_url parts (or use /v1/completions for raw prompts with placeholders).",
+            param=where)
+
+
+def to_template_messages(messages: list[ChatMessage], image_token: str = "<image>"
+                         ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
     """transformers-style messages plus the (image reference, request path) of each image."""
     out: list[dict[str, Any]] = []
     images: list[tuple[str, str]] = []
@@ -40,6 +50,7 @@ def to_template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, An
                 raise InvalidRequest(f"messages[{i}] has no content.", param=f"messages[{i}].content")
             content = ""
         if isinstance(content, str):
+            refuse_typed_placeholder(content, image_token, f"messages[{i}].content")
             out.append({"role": message.role, "content": content})
             continue
         parts: list[dict[str, Any]] = []
@@ -51,6 +62,7 @@ def to_template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, An
                 images.append((part.image_url.url, f"messages[{i}].content[{j}]"))
                 parts.append({"type": "image"})
             else:
+                refuse_typed_placeholder(part.text, image_token, f"messages[{i}].content[{j}].text")
                 parts.append({"type": "text", "text": part.text})
         out.append({"role": message.role, "content": parts})
     return out, images
@@ -75,7 +87,7 @@ async def load_images(state: ServerState, refs: list[tuple[str, str]]) -> list:
 async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest
                             ) -> tuple[EncodedPrompt, EncodedPrompt | None]:
     """The prompt, and for a grounding score its twin with every image blanked."""
-    messages, refs = to_template_messages(req.messages)
+    messages, refs = to_template_messages(req.messages, state.loaded.image_token)
     images = await load_images(state, refs)
     loaded = state.loaded
     text = await asyncio.to_thread(render_chat, loaded, messages)

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from PIL import Image
 
 from fovea.model.prompt import encode_prompt, render_chat
-from fovea.serve.chat import check_model_name, load_images
+from fovea.serve.chat import check_model_name, load_images, refuse_typed_placeholder
 from fovea.serve.generation import TEXT, respond, run_to_finish, sampling_params
 from fovea.serve.protocol import CompletionRequest, GenerateRequest, usage
 from fovea.serve.state import ServerState
@@ -37,6 +37,7 @@ def make_completions_router(state: ServerState) -> APIRouter:
     @router.post("/generate")
     async def generate(req: GenerateRequest):
         check_model_name(state, req.model)
+        refuse_typed_placeholder(req.prompt, loaded.image_token, "prompt")
         refs = [(req.image, "image")] if req.image else []
         images = await load_images(state, refs)
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": req.prompt}]

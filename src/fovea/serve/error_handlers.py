@@ -32,6 +32,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # Drop pydantic's union-branch labels ("TextPart", "str", "list[...]") from the path.
     path = [p for p in loc if p.isdigit() or (p.isidentifier() and not p[:1].isupper() and p not in {"str", "int"})]
+    # A tagged union puts the tag before the field ("image_url", "image_url", "url"): drop the tag.
+    path = [p for i, p in enumerate(path) if not (i + 1 < len(path) and path[i + 1] == p and i > 0
+                                                  and path[i - 1].isdigit())]
     param = ""
     for part in path:
         param += f"[{part}]" if part.isdigit() else (f".{part}" if param else part)

@@ -39,7 +39,11 @@ def make_images_router(store: ImageStore, config: MediaConfig) -> APIRouter:
             raise InvalidRequest(
                 f"POST /v1/images does not accept {content_type!r} bodies; send multipart/form-data "
                 "with a 'file' field, or JSON {\"image\": \"<data URL or base64>\"}.")
-        data = await read(request, config)
+        try:
+            data = await read(request, config)
+        except ImageTooLarge as exc:  # refused while reading: still name the field it came in
+            exc.param = exc.param or param
+            raise
         try:
             stored = await run_in_threadpool(store.put, data)  # full decode: keep it off the loop
         except FoveaError as exc:

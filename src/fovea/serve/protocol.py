@@ -34,7 +34,7 @@ ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
     name: str | None = None
 
 
@@ -55,7 +55,7 @@ class SamplingFields(_Lenient):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # torch.Generator's range
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
