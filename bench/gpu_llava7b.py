@@ -84,7 +84,7 @@ def build_model(device: torch.device) -> LoadedModel:
     torch.manual_seed(0)
     config = llava7b_config()
     with torch.device(device):
-        model = LlavaForConditionalGeneration(config).to(torch.bfloat16).eval()
+        model = LlavaForConditionalGeneration(config).eval()
     # Random values everywhere (never time zeros or uninitialised memory): N(0, 0.02) for
     # matrices and embeddings, 1 +- 0.02 for norm scales, small biases.
     g = torch.Generator(device=device).manual_seed(0)
@@ -96,6 +96,7 @@ def build_model(device: torch.device) -> LoadedModel:
                 p.normal_(1.0, 0.02, generator=g)
             else:
                 p.normal_(0.0, 0.002, generator=g)
+            p.data = p.data.to(torch.bfloat16)  # weights in bf16; rotary buffers stay float32
     # Never stop early: every request makes exactly max_tokens tokens, in fovea and in HF.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -190,7 +191,7 @@ def make_engine(kind: str, loaded: LoadedModel, max_batch: int):
     if kind == "paged":
         from fovea.engine.paged import PagedEngine, PagedEngineConfig
 
-        return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=max_batch))
+        return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=max_batch, max_queue=4096))
     return Engine(loaded, EngineConfig(max_batch_size=max_batch, max_queue=4096))
 
 

@@ -48,6 +48,7 @@ class TrainConfig:
     workers: int = 0
     device: str = "auto"
     compile: bool = True
+    compile_mode: str = "default"  # torch.compile mode; "reduce-overhead" adds CUDA graphs
     resume: str = ""  # a checkpoint directory written by this script
     init_from: str = ""  # start from a model directory's weights with a fresh optimiser
     arch: DemoArchitecture = field(default_factory=DemoArchitecture)
@@ -160,7 +161,7 @@ def train(cfg: TrainConfig) -> dict:
     else:
         torch.manual_seed(cfg.seed)
 
-    forward = torch.compile(model) if (cfg.compile and device.type == "cuda") else model
+    forward = torch.compile(model, mode=cfg.compile_mode) if (cfg.compile and device.type == "cuda") else model
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + step)
     history: list[dict] = []
     best: dict[str, float] = {}

@@ -29,7 +29,7 @@ import torch
 from transformers import AutoImageProcessor
 
 from fovea.errors import ModelLoadError
-from fovea.model.loader import LoadedModel
+from fovea.model.loader import LoadedModel, is_position_buffer
 from fovea.model.vision import encode_images, vision_modules
 
 log = logging.getLogger("fovea.contract")
@@ -158,7 +158,7 @@ def _placement_violations(loaded: LoadedModel, vision_dtype: torch.dtype) -> lis
     for name, tensor in named:
         want_dtype = vision_dtype if id(tensor) in vision_ids else loaded.dtype
         bad_device = tensor.device != loaded.device
-        bad_dtype = tensor.is_floating_point() and tensor.dtype != want_dtype
+        bad_dtype = tensor.is_floating_point() and tensor.dtype != want_dtype and not is_position_buffer(name)
         if bad_device or bad_dtype:
             wrong.append(f"{name} on {tensor.device}/{str(tensor.dtype).removeprefix('torch.')}")
     if not wrong:

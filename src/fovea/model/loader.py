@@ -124,6 +124,11 @@ def has_chat_template(path: Path) -> bool:
     return False
 
 
+def is_position_buffer(name: str) -> bool:
+    """Buffers of positional constants that are computed, not learned, and kept in float32."""
+    return name.endswith("inv_freq")
+
+
 def refuse_partial_load(path: Path, info: dict) -> None:
     """transformers re-initialises weights it could not load (missing, or of the wrong shape)
     with a warning; served, such a model answers fluently from random vision weights."""
@@ -159,9 +164,14 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"transformers could not load {path}: {exc}") from exc
     refuse_partial_load(path, info)
-    # One device and one dtype for every parameter and buffer: the vision tower can never be
-    # left behind on another device or in another precision.
-    model.to(device=torch_device, dtype=torch_dtype).eval()
+    # One device for everything and one dtype for every weight: the vision tower can never be
+    # left behind on another device or in another precision. Rotary-frequency buffers stay in
+    # float32 (transformers computes positions with them in float32; in bfloat16 the angle at
+    # position 640 is off by about a radian).
+    model.to(device=torch_device).eval()
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_floating_point() and tensor.dtype != torch_dtype and not is_position_buffer(name):
+            tensor.data = tensor.data.to(torch_dtype)
     tokenizer = processor.tokenizer
     image_token = getattr(processor, "image_token", None) or "<image>"
     image_token_id = int(model.config.image_token_id)

@@ -51,7 +51,12 @@ def _ungroup(out: torch.Tensor, n: int) -> torch.Tensor:
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan,
                       scale: float) -> torch.Tensor:
-    """One sequence's chunk: causal within the chunk, full over its earlier context."""
+    """One sequence's chunk: causal within the chunk, full over its earlier context.
+
+    Inputs to SDPA are 4-D ([1, heads, len, dim]): CUDA's fused (flash / memory-efficient)
+    kernels take only 4-D tensors and would otherwise fall back to the math kernel, which
+    materialises the whole attention matrix.
+    """
     n, kv_heads = span.length, k_new.shape[1]
     group = q.shape[1] // kv_heads
     if span.start == 0:
@@ -59,16 +64,17 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         # (flash on CUDA) applies once K/V are repeated to every query head.
         k = k_new.repeat_interleave(group, dim=1) if group > 1 else k_new
         v = v_new.repeat_interleave(group, dim=1) if group > 1 else v_new
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=n > 1, scale=scale)
-        return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=n > 1, scale=scale)
+        return out[0].transpose(0, 1)
     total = span.start + n
     k = k_cache[span.block_ids].flatten(0, 1)[:total].transpose(0, 1)  # [KVH, total, D]
     v = v_cache[span.block_ids].flatten(0, 1)[:total].transpose(0, 1)
     positions = torch.arange(n, device=q.device).repeat(group).unsqueeze(1) + span.start
     mask = torch.arange(total, device=q.device).unsqueeze(0) <= positions  # [group * n, total]
-    out = F.scaled_dot_product_attention(_group_queries(q, kv_heads), k, v, attn_mask=mask, scale=scale)
-    return _ungroup(out, n)
+    out = F.scaled_dot_product_attention(_group_queries(q, kv_heads)[None], k[None], v[None],
+                                         attn_mask=mask[None, None], scale=scale)
+    return _ungroup(out[0], n)
 
 
 def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

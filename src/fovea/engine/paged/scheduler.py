@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fovea.engine.paged.block_manager import BlockManager
-from fovea.engine.paged.sequence import Sequence, SeqStatus
+from fovea.engine.paged.sequence import SeqStatus, Sequence
 
 
 @dataclass(slots=True)
@@ -121,8 +121,9 @@ class Scheduler:
             blocks.ensure(seq, seq.num_computed + n)
             plan.chunks.append(Chunk(seq, seq.num_computed, n, n == seq.remaining))
             budget -= n
-        # 3. admissions, first come first served
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        # 3. admissions, first come first served; none in a step that had to preempt, or
+        # the victim would come straight back and take the blocks it just gave up.
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not plan.preempted:
             seq = self.waiting[0]
             if blocks.blocks_for(seq.num_tokens) > blocks.num_blocks:
                 self.waiting.popleft()

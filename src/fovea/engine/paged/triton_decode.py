@@ -48,7 +48,8 @@ def _kernels():
                        stride_vb, stride_vt, stride_vh, stride_btb,
                        stride_ab, stride_ah, stride_ap, stride_mb, stride_mh,
                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_PART: tl.constexpr):
+                       BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCKS_PER_PART: tl.constexpr,
+                       USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         part = tl.program_id(2)
@@ -64,8 +65,9 @@ def _kernels():
         d_ok = offs_d < HEAD_DIM
         heads = kvh * GROUP + offs_g
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        q = q * scale
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        if not USE_DOT:
+            q = q.to(tl.float32) * scale
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -76,8 +78,11 @@ def _kernels():
             t_ok = tok < ctx
             kv_ok = t_ok[:, None] & d_ok[None, :]
             k = tl.load(K + block * stride_kb + offs_t[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                        mask=kv_ok, other=0.0).to(tl.float32)  # [BLOCK_SIZE, BLOCK_D]
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_G, BLOCK_SIZE]
+                        mask=kv_ok, other=0.0)  # [BLOCK_SIZE, BLOCK_D]
+            if USE_DOT:  # tensor cores; the query heads are padded to 16 rows
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            else:
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [BLOCK_G, BLOCK_SIZE]
             s = tl.where(t_ok[None, :], s, float("-inf"))
             # Every visited block holds at least one valid token, so m_new is finite.
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -85,8 +90,12 @@ def _kernels():
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(V + block * stride_vb + offs_t[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                        mask=kv_ok, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                        mask=kv_ok, other=0.0)
+            if USE_DOT:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         # An empty partition (past the context) stores max -inf, sum 0: the merge weighs it 0.
         tl.store(ACC + b * stride_ab + heads[:, None] * stride_ah + part * stride_ap + offs_d[None, :],
@@ -96,13 +105,13 @@ def _kernels():
 
     @triton.jit
     def merge_kernel(ACC, M, L, O, stride_ab, stride_ah, stride_ap, stride_mb, stride_mh,
-                     stride_ob, stride_oh, NUM_PARTS: tl.constexpr, BLOCK_P: tl.constexpr,
+                     stride_ob, stride_oh, num_parts, BLOCK_P: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_p = tl.arange(0, BLOCK_P)
         offs_d = tl.arange(0, BLOCK_D)
-        p_ok = offs_p < NUM_PARTS
+        p_ok = offs_p < num_parts
         d_ok = offs_d < HEAD_DIM
         m = tl.load(M + b * stride_mb + h * stride_mh + offs_p, mask=p_ok, other=float("-inf"))
         l = tl.load(L + b * stride_mb + h * stride_mh + offs_p, mask=p_ok, other=0.0)
@@ -135,16 +144,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     l = torch.empty_like(m)
     out = torch.empty_like(q)
     block_d = _next_pow2(dim)
+    # tl.dot needs every dimension >= 16: query heads are padded up to 16 rows (decode is
+    # bound by reading K/V, so the idle rows cost little); small blocks use a plain reduction.
+    use_dot = block_size >= 16 and block_d >= 16
+    block_g = max(16, _next_pow2(group)) if use_dot else _next_pow2(group)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for fp32 inputs
     partial_kernel[(batch, kv_heads, num_parts)](
         q, k_cache, v_cache, block_tables, context_lens, acc, m, l, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        GROUP=group, BLOCK_G=_next_pow2(group), HEAD_DIM=dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCKS_PER_PART=blocks_per_part, num_warps=4)
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
+        BLOCKS_PER_PART=blocks_per_part, USE_DOT=use_dot, PRECISION=precision, num_warps=4)
     merge_kernel[(batch, heads)](
         acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        out.stride(0), out.stride(1), NUM_PARTS=num_parts, BLOCK_P=_next_pow2(num_parts),
+        out.stride(0), out.stride(1), num_parts, BLOCK_P=_next_pow2(num_parts),
         HEAD_DIM=dim, BLOCK_D=block_d, num_warps=4)
     return out
 
@@ -185,7 +199,7 @@ def check(device: torch.device | None = None) -> float:
             err = (got - ref).abs().max().item()
             tol = 2e-2 if dtype != torch.float32 else 2e-4
             worst = max(worst, err / tol)
-            print(f"{str(dtype):15s} B={b:3d} H={h:2d} KVH={kvh:2d} D={d:3d} bs={bs:2d} ctx<={ctx:5d} "
+            print(f"{dtype!s:15s} B={b:3d} H={h:2d} KVH={kvh:2d} D={d:3d} bs={bs:2d} ctx<={ctx:5d} "
                   f"max abs err {err:.2e} (tol {tol:.0e}) {'ok' if err <= tol else 'FAIL'}")
     return worst
 
@@ -198,7 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         parser.print_help()
         return 2
-    worst = check(torch.device(args.device))
+    device = torch.device(args.device)
+    if device.type == "cuda" and not available():
+        print(f"FAIL: triton or CUDA missing (torch {torch.__version__}, cuda available: "
+              f"{torch.cuda.is_available()})")
+        return 1
+    worst = check(device)
     print("PASS" if worst <= 1.0 else "FAIL", f"(worst error / tolerance = {worst:.3f})")
     return 0 if worst <= 1.0 else 1
 

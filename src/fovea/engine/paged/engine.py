@@ -1,0 +1,245 @@
+"""PagedEngine: the Engine interface over continuous batching and a paged KV cache.
+
+``generate`` puts a request on a bounded queue (429 when full) and streams its events.
+One worker thread runs the step loop: take new requests, schedule, embed newly admitted
+prompts, one forward, sample, emit. It blocks on the queue only when it has nothing to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import torch
+
+from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.paged.block_manager import BlockManager
+from fovea.engine.paged.config import PagedEngineConfig
+from fovea.engine.paged.model_runner import ModelRunner
+from fovea.engine.paged.sampler import sample_tokens
+from fovea.engine.paged.scheduler import Scheduler, StepPlan
+from fovea.engine.paged.sequence import Sequence
+from fovea.engine.request import EngineRequest, ErrorEvent, Event, FinishEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.errors import InvalidRequest, Overloaded
+from fovea.model.loader import LoadedModel
+from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch
+
+log = logging.getLogger("fovea.engine.paged")
+
+
+class EngineStopped(RuntimeError):
+    pass
+
+
+class PagedEngine:
+    def __init__(self, loaded: LoadedModel, config: PagedEngineConfig | None = None,
+                 on_vision_seconds: Callable[[float], None] | None = None) -> None:
+        self.loaded = loaded
+        self.config = (config or PagedEngineConfig()).resolved(loaded.device, loaded.context_length)
+        self.encoder_cache = EncoderCache(self.config.encoder_cache_bytes)
+        # Triton launches on the current CUDA device: make it the model's (cuda:1 included).
+        with torch.cuda.device(loaded.device) if loaded.device.type == "cuda" else contextlib.nullcontext():
+            self.runner = ModelRunner(loaded, self.config, self.encoder_cache, on_vision_seconds)
+        self.block_manager = BlockManager(self.runner.kv_plan.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_batched_tokens,
+                                   self.config.max_num_seqs)
+        self._queue: queue.Queue[EngineRequest | None] = queue.Queue(maxsize=self.config.max_queue)
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._next_id = 0
+        self.steps = 0
+        self.running_batch = 0
+
+    # ---- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            if self.loaded.device.type == "cpu":
+                torch.set_num_threads(self.config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+            self._thread = threading.Thread(target=self._loop, name="fovea-paged-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stopping.set()
+            try:
+                self._queue.put_nowait(None)  # wakes an idle worker; a busy one sees the flag
+            except queue.Full:
+                pass
+            self._thread.join(timeout=30)
+            self._thread = None
+            self._stopping.clear()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize() + len(self.scheduler.waiting)
+
+    @property
+    def max_context(self) -> int:
+        return min(self.config.max_model_len, self.block_manager.num_blocks * self.config.block_size)
+
+    # ---- requests -------------------------------------------------------------------
+    def check_fits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
+        need = len(prompt.input_ids) + params.max_tokens
+        if need > self.loaded.context_length:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt.input_ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{need} tokens exceed the model's context of {self.loaded.context_length}. "
+                "Lower max_tokens or shorten the prompt.",
+                code="context_length_exceeded", param="max_tokens")
+        if need > self.max_context:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt.input_ids)} tokens and max_tokens is {params.max_tokens}: "
+                f"{need} tokens exceed this server's limit of {self.max_context} tokens per sequence "
+                "(max_model_len or KV-cache size). Lower max_tokens or shorten the prompt.",
+                code="context_length_exceeded", param="max_tokens")
+
+    async def generate(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
+                       want_first_logprobs: bool = False) -> AsyncIterator[Event]:
+        """Stream the events of one request; cancel it if the consumer stops early."""
+        self.check_fits(prompt, params)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        request = EngineRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt=prompt,
+            params=params,
+            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+            want_first_logprobs=want_first_logprobs,
+        )
+        try:
+            self._queue.put_nowait(request)
+        except queue.Full:
+            raise Overloaded(
+                f"{self.config.max_queue} requests are already waiting; retry shortly.") from None
+        try:
+            while True:
+                event = await events.get()
+                yield event
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    return
+        finally:
+            request.cancelled.set()  # no-op when finished; the worker frees a gone client's blocks
+
+    # ---- worker ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.loaded.device.type == "cuda":
+            torch.cuda.set_device(self.loaded.device)  # per thread; see __init__
+        while True:
+            if self._stopping.is_set() or not self._intake(block=not self.scheduler.has_work()):
+                self._drain_on_stop()
+                return
+            if not self.scheduler.has_work():
+                continue
+            try:
+                self.step()
+            except Exception as exc:
+                log.exception("engine step failed")
+                self._fail_all(exc)
+
+    def _intake(self, block: bool) -> bool:
+        """Move queued requests into the scheduler; False when asked to stop. Only as many
+        as could start soon are taken, so the bounded queue is what a burst fills."""
+        while len(self.scheduler.waiting) < self.config.max_num_seqs:
+            try:
+                request = self._queue.get() if block else self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if request is None:
+                return False
+            if request.cancelled.is_set():
+                continue
+            prompt = request.prompt
+            images = sum(1 for t in prompt.input_ids if t == self.loaded.image_token_id)
+            if images != len(prompt.image_hashes) * prompt.tokens_per_image:
+                request.emit(ErrorEvent(PlaceholderMismatch(
+                    f"request {request.request_id}: {images} image-token positions for "
+                    f"{len(prompt.image_hashes)} image(s) of {prompt.tokens_per_image} tokens", status=500)))
+                continue
+            self._next_id += 1
+            self.scheduler.add(Sequence(self._next_id, request, self.loaded.image_token_id,
+                                        self.loaded.device, self.loaded.tokenizer))
+        return True
+
+    def _drain_on_stop(self) -> None:
+        """Answer everything still in flight or queued, so no consumer waits forever."""
+        stopped = EngineStopped("the engine was stopped")
+        self._fail_all(stopped)
+        while True:
+            try:
+                request = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if request is not None:
+                request.emit(ErrorEvent(stopped))
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        seq.emit_finish(reason)
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        self.scheduler.remove(seq)
+        seq.request.emit(ErrorEvent(exc))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for seq in self.scheduler.all_sequences():
+            self._fail(seq, exc)
+
+    def step(self) -> None:
+        """One scheduling step: at most one forward."""
+        for seq in self.scheduler.all_sequences():
+            if seq.request.cancelled.is_set():
+                self._finish(seq, "cancelled")
+        plan = self.scheduler.schedule()
+        for seq in plan.rejected:
+            self._fail(seq, InvalidRequest("the sequence does not fit in the KV cache",
+                                           code="context_length_exceeded", param="max_tokens"))
+        if not plan.chunks:
+            return
+        self._embed_admitted(plan)
+        if not plan.chunks:
+            return
+        self.running_batch = len(plan.chunks)
+        try:
+            logits = self.runner.execute(plan)
+            sampling = [c.seq for c in plan.chunks if c.sample]
+            tokens = sample_tokens(logits, sampling)
+        except Exception as exc:
+            log.exception("engine step over %d sequence(s) failed", len(plan.chunks))
+            for chunk in plan.chunks:
+                self._fail(chunk.seq, exc)
+            return
+        finally:
+            self.running_batch = 0
+        self.scheduler.on_computed(plan)
+        self.steps += 1
+        eos = self.loaded.eos_token_ids
+        for row, (seq, token) in enumerate(zip(sampling, tokens)):
+            if seq.produced == 0 and seq.request.want_first_logprobs:
+                seq.request.first_logprobs = torch.log_softmax(logits[row], dim=-1).cpu()
+            reason = seq.append_token(token, eos)
+            if reason is not None:
+                self._finish(seq, reason)
+
+    def _embed_admitted(self, plan: StepPlan) -> None:
+        """Fill the prompt embeddings of sequences whose prefill (re)starts this step."""
+        need = [c.seq for c in plan.chunks if c.start < c.seq.prompt_len and c.seq.prompt_embeds is None]
+        if not need:
+            return
+        try:
+            self.runner.embedder.fill(need)
+        except Exception as exc:
+            log.exception("prompt embedding failed for %d request(s)", len(need))
+            failed = {id(s) for s in need}
+            for seq in need:
+                self._fail(seq, exc)
+            # Decodes never need prompt embeddings, so plan.num_decodes stays right.
+            plan.chunks = [c for c in plan.chunks if id(c.seq) not in failed]

@@ -1,0 +1,160 @@
+"""The Llama language model run by fovea over the paged KV cache.
+
+The parameters are the loaded transformers model's own tensors (referenced, never
+copied); only the execution is ours: a flat [tokens, hidden] batch in which decodes and
+prefill chunks of different sequences sit side by side.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fovea.engine.paged.attention import AttnMeta, DecodeAttention, attention, write_kv
+from fovea.engine.paged.kv_cache import KVCache, KVShape
+from fovea.errors import ModelLoadError
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    in_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_bias: torch.Tensor | None
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+
+
+def rope_parameters(config) -> dict:
+    """The rope dict of a transformers 5.x config (``rope_parameters``) or an older one
+    (``rope_theta`` + ``rope_scaling``)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    return scaling
+
+
+def inverse_frequencies(config, head_dim: int) -> torch.Tensor:
+    """RoPE inverse frequencies in float32 for the supported rope types."""
+    params = rope_parameters(config)
+    kind = params.get("rope_type") or "default"
+    base = float(params["rope_theta"])
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError("the paged engine does not support partial_rotary_factor != 1")
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(params["factor"])
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ModelLoadError(f"the paged engine supports rope_type default, linear and llama3, not {kind!r}; "
+                         "serve this model with the simple engine")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers' LlamaRMSNorm: statistics in float32, scale in the model dtype.
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedLlama:
+    def __init__(self, hf_model, max_positions: int, decode: DecodeAttention) -> None:
+        text = hf_model.config.text_config
+        if getattr(text, "model_type", None) != "llama":
+            raise ModelLoadError(f"the paged engine runs Llama language models; this one is "
+                                 f"{getattr(text, 'model_type', None)!r}. Use the simple engine.")
+        if getattr(text, "hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"the paged engine needs hidden_act 'silu', not {text.hidden_act!r}")
+        lm = hf_model.model.language_model
+        self.num_heads = text.num_attention_heads
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
+        self.eps = text.rms_norm_eps
+        self.scale = self.head_dim ** -0.5  # as transformers: head_dim ** -0.5
+        self.embed = lm.embed_tokens.weight
+        self.final_norm = lm.norm.weight
+        tied = getattr(text, "tie_word_embeddings", False) or getattr(hf_model.config, "tie_word_embeddings", False)
+        self.lm_head = self.embed if tied else hf_model.lm_head.weight
+        self.layers = [self._layer(layer) for layer in lm.layers]
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        inv = inverse_frequencies(text, self.head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.float32).unsqueeze(1) * inv.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(self.device, self.dtype)  # [positions, head_dim]
+        self.sin = emb.sin().to(self.device, self.dtype)
+        self.decode = decode
+
+    @staticmethod
+    def _layer(layer) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        return LayerWeights(
+            layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+            attn.o_proj.weight, attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias,
+            layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+            mlp.down_proj.weight, mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias)
+
+    def kv_shape(self, block_size: int) -> KVShape:
+        return KVShape(len(self.layers), self.num_kv_heads, self.head_dim, block_size, self.dtype)
+
+    def embed_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # Some checkpoints give the image token an id past the table; such rows are replaced.
+        ids = token_ids.masked_fill(token_ids >= self.embed.shape[0], 0)
+        return F.embedding(ids, self.embed)
+
+    @torch.inference_mode()  # never let autograd record the KV-cache writes (the weights require grad)
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, cache: KVCache,
+                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [T, hidden] input embeddings -> logits [rows, vocab] (model dtype) of
+        ``logit_rows`` (all rows if None)."""
+        tokens = hidden.shape[0]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]: broadcasts over heads
+        sin = self.sin[positions].unsqueeze(1)
+        for index, w in enumerate(self.layers):
+            x = rms_norm(hidden, w.in_norm, self.eps)
+            q = F.linear(x, w.q, w.q_bias).view(tokens, self.num_heads, self.head_dim)
+            k = F.linear(x, w.k, w.k_bias).view(tokens, self.num_kv_heads, self.head_dim)
+            v = F.linear(x, w.v, w.v_bias).view(tokens, self.num_kv_heads, self.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache, v_cache = cache.k[index], cache.v[index]
+            write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+            out = attention(q, k, v, k_cache, v_cache, meta, self.scale, self.decode)
+            hidden = hidden + F.linear(out.reshape(tokens, -1), w.o, w.o_bias)
+            x = rms_norm(hidden, w.post_norm, self.eps)
+            gated = F.silu(F.linear(x, w.gate, w.gate_bias)) * F.linear(x, w.up, w.up_bias)
+            hidden = hidden + F.linear(gated, w.down, w.down_bias)
+        if logit_rows is not None:
+            hidden = hidden[logit_rows]
+        return F.linear(rms_norm(hidden, self.final_norm, self.eps), self.lm_head)

@@ -1,0 +1,198 @@
+"""Turns a step plan into one forward over the paged cache and returns the logits to sample.
+
+Also owns start-up: picking the decode kernel, sizing the KV cache (profiling a max-size
+step on CUDA) and capturing decode CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.paged import triton_decode
+from fovea.engine.paged.attention import AttnMeta, DecodeAttention, PrefillSpan, paged_decode_torch
+from fovea.engine.paged.config import PagedEngineConfig
+from fovea.engine.paged.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
+from fovea.engine.paged.embeddings import PromptEmbedder
+from fovea.engine.paged.kv_cache import KVCache, KVPlan, KVShape, log_plan, plan_num_blocks
+from fovea.engine.paged.llama import PagedLlama
+from fovea.engine.paged.scheduler import Chunk, StepPlan
+from fovea.model.loader import LoadedModel
+from fovea.model.vision import encode_images
+
+log = logging.getLogger("fovea.engine.paged")
+
+
+def triton_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run the Triton kernel once against the torch reference; None if it agrees, else why not."""
+    try:
+        q, kc, vc, bt, cl = triton_decode.random_case(3, 8, 2, 64, 16, 700, dtype, device)
+        got = triton_decode.paged_decode(q, kc, vc, bt, cl, 0.125).float()
+        ref = paged_decode_torch(q.float(), kc.float(), vc.float(), bt, cl, 0.125)
+        err = (got - ref).abs().max().item()
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
+        return f"{type(exc).__name__}: {exc}"
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+    return None if err <= tol else f"max error {err:.2e} > {tol:.0e}"
+
+
+def decode_forward(llama: PagedLlama, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """A decode-only step on device tensors (what a CUDA graph captures): logits of every row."""
+    meta = AttnMeta(slot_mapping=slots, num_decodes=ids.shape[0], block_tables=block_tables,
+                    context_lens=context_lens)
+    return llama.forward(llama.embed_ids(ids), positions, meta, cache)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: PagedEngineConfig, encoder_cache: EncoderCache,
+                 on_vision_seconds: Callable[[float], None] | None = None) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.device = loaded.device
+        self.block_size = config.block_size
+        use_triton = bool(config.triton_decode) and triton_decode.available()
+        if use_triton:
+            problem = triton_self_check(self.device, loaded.dtype)
+            if problem:
+                log.warning("Triton paged decode disabled, using the torch path: %s", problem)
+                use_triton = False
+        elif config.triton_decode:
+            log.warning("triton is not importable: paged decode uses the torch path")
+        self.decode_attention = DecodeAttention(use_triton)
+        self.llama = PagedLlama(loaded.model, config.max_model_len, self.decode_attention)
+        self.embedder = PromptEmbedder(loaded, self.llama, encoder_cache, config.vision_batch_size,
+                                       on_vision_seconds)
+        shape = self.llama.kv_shape(self.block_size)
+        self.kv_plan = self._plan(shape)
+        log_plan(self.kv_plan)
+        self.cache = KVCache(shape, self.kv_plan.num_blocks, self.device)
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.graphs: GraphedDecode | None = None
+        if config.cuda_graphs:
+            if use_triton:
+                self.graphs = self.build_graphs()
+                self.graphs.capture()
+            else:
+                log.warning("CUDA graphs need the Triton decode kernel; decoding eagerly")
+
+    def build_graphs(self, cls: type[GraphedDecode] = GraphedDecode) -> GraphedDecode:
+        # The graphs get a partial over (llama, cache), not a bound method: a cycle back to
+        # this runner would keep the KV cache alive after the engine is dropped until the
+        # garbage collector happens to run.
+        return cls(functools.partial(decode_forward, self.llama, self.cache),
+                   capture_sizes(self.config.max_num_seqs, self.config.max_graph_batch),
+                   self.max_blocks_per_seq, self.cache.scratch_slot, self.cache.scratch_block, self.device)
+
+    # ---- start-up ---------------------------------------------------------------------
+    def _plan(self, shape: KVShape) -> KVPlan:
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.num_blocks is not None:
+            return plan_num_blocks(shape, device_type=self.device.type, fixed_blocks=cfg.num_blocks,
+                                   cap_bytes=cfg.kv_cache_max_bytes)
+        peak = self._profile_peak(shape)
+        free, _total = torch.cuda.mem_get_info(self.device)
+        return plan_num_blocks(shape, device_type="cuda", cap_bytes=cfg.kv_cache_max_bytes, free_bytes=free,
+                               activation_peak_bytes=peak, margin_bytes=cfg.gpu_memory_margin_bytes)
+
+    def _profile_peak(self, shape: KVShape) -> int:
+        """Peak activation bytes of the largest step (see ``dummy_step``), measured on CUDA."""
+        device = self.device
+        tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        scratch = KVCache(shape, -(-tokens // self.block_size), device)  # not part of the peak
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        self.dummy_step(scratch)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        del scratch
+        torch.cuda.empty_cache()
+        return max(0, peak)
+
+    @torch.inference_mode()
+    def dummy_step(self, cache: KVCache) -> torch.Tensor:
+        """The largest step the scheduler can form: a prefill of max_num_batched_tokens with
+        logits for max_num_seqs rows, then one vision batch. Returns the logits."""
+        cfg, device = self.config, self.device
+        tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+        hidden = torch.zeros((tokens, self.llama.embed.shape[1]), dtype=self.llama.dtype, device=device)
+        meta = AttnMeta(slot_mapping=torch.arange(tokens, device=device),
+                        prefills=[PrefillSpan(0, tokens, 0, torch.arange(cache.num_blocks, device=device))])
+        rows = torch.arange(max(0, tokens - cfg.max_num_seqs), tokens, device=device)
+        logits = self.llama.forward(hidden, torch.arange(tokens, device=device), meta, cache, rows).float()
+        del hidden
+        vision = self.loaded.model.config.vision_config
+        size = getattr(vision, "image_size", None)
+        if size:
+            pixels = torch.zeros((cfg.vision_batch_size, getattr(vision, "num_channels", 3), size, size),
+                                 dtype=self.loaded.dtype, device=device)
+            encode_images(self.loaded, pixels)
+        return logits
+
+    # ---- steps ------------------------------------------------------------------------
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs, out = self.block_size, []
+        pos = start
+        while pos < end:
+            block, offset = divmod(pos, bs)
+            stop = min(end, (block + 1) * bs)
+            base = table[block] * bs
+            out.extend(range(base + offset, base + offset + (stop - pos)))
+            pos = stop
+        return out
+
+    def _decode_batch(self, chunks: list[Chunk]) -> DecodeBatch:
+        bs = self.block_size
+        width = max(c.start // bs + 1 for c in chunks)
+        tables = []
+        for c in chunks:
+            row = c.seq.block_table[:width]
+            tables.append(row + [row[0]] * (width - len(row)))  # padding is never read
+        return DecodeBatch([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
+                           [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
+                           tables, [c.start + 1 for c in chunks])
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run the step; logits [sampling chunks, vocab] float32, in plan order."""
+        device = self.device
+        decodes, prefills = plan.chunks[:plan.num_decodes], plan.chunks[plan.num_decodes:]
+        batch = self._decode_batch(decodes) if decodes else None
+        if batch is not None and not prefills and self.graphs is not None and self.graphs.can_run(len(batch)):
+            return self.graphs.run(batch)
+        ids = list(batch.token_ids) if batch else []
+        positions = list(batch.positions) if batch else []
+        slots = list(batch.slots) if batch else []
+        rows = list(range(len(ids)))
+        spans: list[PrefillSpan] = []
+        overrides: list[tuple[int, torch.Tensor]] = []
+        for c in prefills:
+            seq, offset = c.seq, len(ids)
+            ids.extend(seq.token_ids[c.start:c.end])
+            positions.extend(range(c.start, c.end))
+            slots.extend(self._slots(seq.block_table, c.start, c.end))
+            used = -(-c.end // self.block_size)
+            spans.append(PrefillSpan(offset, c.length, c.start,
+                                     torch.tensor(seq.block_table[:used], dtype=torch.long, device=device)))
+            if c.start < seq.prompt_len:
+                assert seq.prompt_embeds is not None, "prompt embeddings are filled at admission"
+                overrides.append((offset, seq.prompt_embeds[c.start:min(c.end, seq.prompt_len)]))
+            if c.sample:
+                rows.append(offset + c.length - 1)
+        hidden = self.llama.embed_ids(torch.tensor(ids, dtype=torch.long, device=device))
+        for offset, embeds in overrides:
+            hidden[offset:offset + embeds.shape[0]] = embeds
+        meta = AttnMeta(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                        num_decodes=len(decodes), prefills=spans)
+        if batch is not None:
+            meta.block_tables = torch.tensor(batch.block_tables, dtype=torch.int32, device=device)
+            meta.context_lens = torch.tensor(batch.context_lens, dtype=torch.int32, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        logit_rows = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long, device=device)
+        return self.llama.forward(hidden, pos, meta, self.cache, logit_rows).float()

@@ -1,0 +1,74 @@
+"""Shared helpers of the paged-engine tests (no tests here): fake sequences, prompts, a collector
+and memoised transformers references. Named test_paged_* only to stay inside the test set."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from fovea.engine.paged.sequence import Sequence
+from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.model.prompt import EncodedPrompt, encode_prompt, render_chat
+
+IMAGE = 4  # the demo model's image token id
+
+
+def fake_seq(seq_id: int, token_ids: list[int], image_hashes: list[str] | None = None,
+             tokens_per_image: int = 0, max_tokens: int = 8) -> Sequence:
+    prompt = EncodedPrompt(list(token_ids), None, len(image_hashes or []), "", list(image_hashes or []),
+                           tokens_per_image)
+    request = EngineRequest(f"r{seq_id}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0),
+                            emit=lambda event: None)
+    return Sequence(seq_id, request, IMAGE, torch.device("cpu"), tokenizer=None)
+
+
+def prompt_for(model, image, question: str = "Describe the image."):
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    return encode_prompt(model, render_chat(model, messages), [image])
+
+
+async def collect(engine, prompt, params, **kw):
+    tokens, finish = [], None
+    async for event in engine.generate(prompt, params, **kw):
+        if isinstance(event, TokenEvent) and event.token_id >= 0:
+            tokens.append(event.token_id)
+        elif isinstance(event, FinishEvent):
+            finish = event
+        else:
+            raise AssertionError(f"unexpected event {event!r}")
+    return tokens, finish
+
+
+def run_all(engine, jobs):
+    """Start ``engine``, run (prompt, params) jobs concurrently, stop it; [(tokens, finish)]."""
+    async def main():
+        engine.start()
+        try:
+            return await asyncio.gather(*(collect(engine, p, s) for p, s in jobs))
+        finally:
+            engine.stop()
+    return asyncio.run(main())
+
+
+_reference_lock = threading.Lock()
+_reference: dict[tuple, list[int]] = {}
+
+
+def reference_tokens(model, prompt, max_tokens: int = 40) -> list[int]:
+    """Greedy tokens of transformers' own generate (EOS dropped), memoised per prompt."""
+    key = (tuple(prompt.input_ids), tuple(prompt.image_hashes), max_tokens)
+    with _reference_lock:
+        if key not in _reference:
+            ids = torch.tensor([prompt.input_ids])
+            with torch.no_grad():
+                out = model.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                           pixel_values=prompt.pixel_values, max_new_tokens=max_tokens,
+                                           do_sample=False)
+            tokens = out[0, ids.shape[1]:].tolist()
+            if tokens and tokens[-1] in model.eos_token_ids:
+                tokens = tokens[:-1]
+            _reference[key] = tokens
+        return _reference[key]

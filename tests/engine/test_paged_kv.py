@@ -1,0 +1,67 @@
+"""KV-cache sizing: the plan on CPU and CUDA numbers, and the dummy max-size step."""
+
+import pytest
+import torch
+
+from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.paged.config import PagedEngineConfig
+from fovea.engine.paged.kv_cache import KVCache, KVShape, plan_num_blocks
+from fovea.engine.paged.model_runner import ModelRunner
+
+MiB, GiB = 2**20, 2**30
+DEMO = KVShape(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32)
+
+
+def test_bytes_per_block_counts_k_and_v_of_every_layer():
+    assert DEMO.bytes_per_block == 2 * 4 * 16 * 4 * 64 * 4 == 128 * 1024
+    llama7b = KVShape(num_layers=32, num_kv_heads=32, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    assert llama7b.bytes_per_block == 8 * MiB
+
+
+def test_cpu_uses_a_byte_budget_never_the_machines_memory():
+    plan = plan_num_blocks(DEMO, device_type="cpu")
+    assert plan.num_blocks == 256 * MiB // DEMO.bytes_per_block == 2048 and plan.max_tokens == 2048 * 16
+    assert plan_num_blocks(DEMO, device_type="cpu", cap_bytes=MiB).num_blocks == 8
+    assert plan_num_blocks(DEMO, device_type="cpu", fixed_blocks=5).num_blocks == 5
+
+
+def test_cuda_takes_free_memory_minus_activations_and_margin_capped():
+    shape = KVShape(32, 8, 128, 16, torch.bfloat16)  # 2 MiB per block
+    plan = plan_num_blocks(shape, device_type="cuda", free_bytes=100 * GiB, activation_peak_bytes=3 * GiB,
+                           margin_bytes=1 * GiB)
+    assert plan.num_blocks == 96 * GiB // (2 * MiB)
+    capped = plan_num_blocks(shape, device_type="cuda", free_bytes=100 * GiB, activation_peak_bytes=3 * GiB,
+                             margin_bytes=1 * GiB, cap_bytes=10 * GiB)
+    assert capped.num_blocks == 10 * GiB // (2 * MiB) and "capped" in capped.source
+    with pytest.raises(ValueError):
+        plan_num_blocks(shape, device_type="cuda")
+    with pytest.raises(RuntimeError, match="no room"):
+        plan_num_blocks(shape, device_type="cuda", free_bytes=GiB, activation_peak_bytes=GiB)
+
+
+def test_the_cache_has_one_scratch_block_past_the_managed_ones():
+    cache = KVCache(DEMO, 3, torch.device("cpu"))
+    assert cache.k[0].shape == (4, 16, 4, 64) and len(cache.v) == 4
+    assert cache.scratch_block == 3 and cache.scratch_slot == 48
+
+
+def test_the_profiling_step_runs_at_the_largest_size(demo_model):
+    config = PagedEngineConfig(num_blocks=4, max_num_batched_tokens=100, max_num_seqs=8)
+    runner = ModelRunner(demo_model, config.resolved(demo_model.device, demo_model.context_length), EncoderCache())
+    logits = runner.dummy_step(KVCache(runner.llama.kv_shape(16), 7, runner.device))
+    assert logits.shape == (8, demo_model.model.config.text_config.vocab_size)
+    assert torch.isfinite(logits).all()
+    assert runner.kv_plan.num_blocks == 4 and runner.graphs is None
+
+
+def test_config_defaults_depend_on_the_device():
+    cpu = PagedEngineConfig().resolved(torch.device("cpu"), 4096)
+    assert (cpu.max_num_batched_tokens, cpu.max_num_seqs, cpu.max_model_len) == (512, 16, 4096)
+    assert not cpu.cuda_graphs and not cpu.triton_decode
+    gpu = PagedEngineConfig().resolved(torch.device("cuda"), 4096)
+    assert (gpu.max_num_batched_tokens, gpu.max_num_seqs) == (2048, 256) and gpu.cuda_graphs and gpu.triton_decode
+    assert not PagedEngineConfig(cuda_graphs=False).resolved(torch.device("cuda"), 4096).cuda_graphs
+    assert PagedEngineConfig(max_num_batched_tokens=8).resolved(torch.device("cpu"), 4096).max_num_seqs == 8
+    assert PagedEngineConfig(max_model_len=9999).resolved(torch.device("cpu"), 4096).max_model_len == 4096
+    with pytest.raises(ValueError):
+        PagedEngineConfig(max_num_seqs=0)

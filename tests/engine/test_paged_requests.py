@@ -1,0 +1,163 @@
+"""PagedEngine's request contract: stop strings, length, seeds, cancellation, limits, errors."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+from scene_helpers import fresh_scene
+from test_paged_helpers import collect, prompt_for, run_all
+
+from fovea.demo import scenes
+from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine.request import ErrorEvent, TokenEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.errors import InvalidRequest, Overloaded
+from fovea.model.prompt import PlaceholderMismatch
+
+
+def engine_for(model, **kw):
+    return PagedEngine(model, PagedEngineConfig(num_blocks=kw.pop("num_blocks", 128), **kw))
+
+
+def test_max_tokens_and_stop_strings(demo_model):
+    scene = fresh_scene(400, min_shapes=3)
+    prompt = prompt_for(demo_model, scenes.render(scene))
+    (short, fin_short), (_, fin_stop) = run_all(engine_for(demo_model), [
+        (prompt, SamplingParams(max_tokens=3, temperature=0)),
+        (prompt, SamplingParams(max_tokens=40, temperature=0, stop=[" at"])),
+    ])
+    assert fin_short.finish_reason == "length" and len(short) == 3 and fin_short.completion_tokens == 3
+    assert fin_stop.finish_reason == "stop" and " at" not in fin_stop.text
+    assert fin_stop.text and scenes.describe_answer(scene).startswith(fin_stop.text)
+
+
+def test_seeded_sampling_is_reproducible_batched_or_alone(demo_model):
+    prompt = prompt_for(demo_model, scenes.render(fresh_scene(300)))
+    def params(seed):
+        return SamplingParams(max_tokens=12, temperature=1.5, top_p=0.9, seed=seed)
+
+    a, b, _ = run_all(engine_for(demo_model), [(prompt, params(7)), (prompt, params(7)), (prompt, params(8))])
+    (alone, _), = run_all(engine_for(demo_model), [(prompt, params(7))])
+    assert a[0] == b[0] == alone
+    assert a[1].prompt_tokens == len(prompt.input_ids) and a[1].completion_tokens >= len(a[0])
+
+
+def test_first_logprobs_are_the_prompts_next_token_distribution(demo_model):
+    prompt = prompt_for(demo_model, scenes.render(fresh_scene(310)))
+    engine = engine_for(demo_model)
+
+    async def main():
+        engine.start()
+        try:
+            return await collect(engine, prompt, SamplingParams(max_tokens=2, temperature=0),
+                                 want_first_logprobs=True)
+        finally:
+            engine.stop()
+
+    tokens, finish = asyncio.run(main())
+    with torch.no_grad():
+        logits = demo_model.model(input_ids=torch.tensor([prompt.input_ids]),
+                                  pixel_values=prompt.pixel_values).logits[0, -1].float()
+    assert (finish.first_logprobs - torch.log_softmax(logits, -1)).abs().max() < 1e-4
+    assert tokens[0] == int(finish.first_logprobs.argmax())
+
+
+def test_a_consumer_that_stops_listening_cancels_and_frees_its_blocks(demo_model):
+    prompt = prompt_for(demo_model, scenes.render(fresh_scene(320)))
+    engine = engine_for(demo_model, num_blocks=64)
+    execute = engine.runner.execute
+    engine.runner.execute = lambda plan: (time.sleep(0.03), execute(plan))[1]  # steps slow enough to cancel
+    reasons = []
+    finish = engine._finish
+    engine._finish = lambda seq, reason: (reasons.append(reason), finish(seq, reason))
+
+    async def main():
+        engine.start()
+        try:
+            stream = engine.generate(prompt, SamplingParams(max_tokens=100, temperature=1.0, seed=1))
+            async for event in stream:
+                assert isinstance(event, TokenEvent)
+                break
+            await stream.aclose()  # as when an HTTP client disconnects
+            for _ in range(200):
+                if not engine.scheduler.has_work():
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            engine.stop()
+
+    asyncio.run(main())
+    assert reasons == ["cancelled"]
+    assert engine.block_manager.num_free == 64
+
+
+def test_prompts_that_cannot_fit_are_refused_up_front(demo_model):
+    prompt = prompt_for(demo_model, scenes.render(fresh_scene(1)))
+    engine = engine_for(demo_model, num_blocks=8)  # 128 tokens of KV cache
+    with pytest.raises(InvalidRequest) as info:
+        engine.check_fits(prompt, SamplingParams(max_tokens=demo_model.context_length))
+    assert info.value.code == "context_length_exceeded" and info.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest) as info:
+        engine.check_fits(prompt, SamplingParams(max_tokens=100))  # fits the model, not the cache
+    assert info.value.code == "context_length_exceeded" and "128" in info.value.message
+    engine.check_fits(prompt, SamplingParams(max_tokens=128 - len(prompt.input_ids)))
+
+
+def test_a_full_queue_refuses_with_429(demo_model):
+    prompt = prompt_for(demo_model, scenes.render(fresh_scene(2)))
+
+    async def main():
+        engine = engine_for(demo_model, max_queue=1)  # not started: nothing drains the queue
+        first = engine.generate(prompt, SamplingParams(max_tokens=2))
+        pending = asyncio.ensure_future(first.__anext__())
+        await asyncio.sleep(0)
+        assert engine.queue_depth == 1
+        with pytest.raises(Overloaded) as info:
+            await engine.generate(prompt, SamplingParams(max_tokens=2)).__anext__()
+        pending.cancel()
+        return info.value
+
+    assert asyncio.run(main()).status == 429
+
+
+def test_a_prompt_whose_image_rows_do_not_match_fails_alone(demo_model):
+    good = prompt_for(demo_model, scenes.render(fresh_scene(3)))
+    bad = prompt_for(demo_model, scenes.render(fresh_scene(4)))
+    bad.tokens_per_image -= 1
+    engine = engine_for(demo_model)
+
+    async def main():
+        engine.start()
+        try:
+            events = [e async for e in engine.generate(bad, SamplingParams(max_tokens=4))]
+            ok = await collect(engine, good, SamplingParams(max_tokens=40, temperature=0))
+            return events, ok
+        finally:
+            engine.stop()
+
+    events, (_, finish) = asyncio.run(main())
+    assert len(events) == 1 and isinstance(events[0].error, PlaceholderMismatch)
+    assert finish.text == scenes.describe_answer(fresh_scene(3))
+
+
+def test_stop_answers_requests_still_in_flight(demo_model):
+    from fovea.engine.paged.engine import EngineStopped
+
+    prompt = prompt_for(demo_model, scenes.render(fresh_scene(330)))
+    engine = engine_for(demo_model)
+    execute = engine.runner.execute
+    engine.runner.execute = lambda plan: (time.sleep(0.05), execute(plan))[1]
+
+    async def main():
+        engine.start()
+        stream = engine.generate(prompt, SamplingParams(max_tokens=100, temperature=1.0, seed=3))
+        first = await stream.__anext__()
+        engine.stop()
+        rest = [event async for event in stream]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert isinstance(first, TokenEvent)
+    assert isinstance(rest[-1], ErrorEvent) and isinstance(rest[-1].error, EngineStopped)
+    assert engine.block_manager.num_free == 128
