@@ -55,6 +55,7 @@ class PagedEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._next_id = 0
+        self._dead: BaseException | None = None  # set when the worker thread dies
         self.steps = 0
         self.running_batch = 0
 
@@ -104,6 +105,8 @@ class PagedEngine:
     async def generate(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
                        want_first_logprobs: bool = False) -> AsyncIterator[Event]:
         """Stream the events of one request; cancel it if the consumer stops early."""
+        if self._dead is not None:
+            raise EngineStopped(f"the engine worker died: {type(self._dead).__name__}: {self._dead}")
         self.check_fits(prompt, params)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
@@ -130,8 +133,24 @@ class PagedEngine:
 
     # ---- worker ---------------------------------------------------------------------
     def _loop(self) -> None:
-        if self.loaded.device.type == "cuda":
-            torch.cuda.set_device(self.loaded.device)  # per thread; see __init__
+        try:
+            if self.loaded.device.type == "cuda":  # per thread; see __init__
+                index = self.loaded.device.index
+                torch.cuda.set_device(index if index is not None else torch.cuda.current_device())
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a dead worker must not leave clients waiting
+            log.exception("the engine worker died")
+            self._dead = exc
+            self._fail_all(exc)
+            while True:  # answer whatever is still queued, then stay dead
+                try:
+                    request = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                if request is not None:
+                    request.emit(ErrorEvent(exc))
+
+    def _serve(self) -> None:
         while True:
             if self._stopping.is_set() or not self._intake(block=not self.scheduler.has_work()):
                 self._drain_on_stop()

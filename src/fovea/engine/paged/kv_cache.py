@@ -44,7 +44,7 @@ class KVPlan:
 def plan_num_blocks(shape: KVShape, *, device_type: str, fixed_blocks: int | None = None,
                     cap_bytes: int | None = None, cpu_budget_bytes: int = 256 * 1024 * 1024,
                     free_bytes: int | None = None, activation_peak_bytes: int = 0,
-                    margin_bytes: int = 0) -> KVPlan:
+                    margin_bytes: int = 0, need_blocks: int | None = None) -> KVPlan:
     """Blocks for the KV cache.
 
     CUDA: measured free memory (after the weights are loaded) minus the profiled activation
@@ -67,6 +67,11 @@ def plan_num_blocks(shape: KVShape, *, device_type: str, fixed_blocks: int | Non
         budget = cap_bytes if cap_bytes is not None else cpu_budget_bytes
         source = f"CPU budget {budget / 2**20:.0f} MiB"
     num_blocks = budget // per_block
+    if need_blocks is not None and fixed_blocks is None and need_blocks < num_blocks:
+        # Never more than every sequence at full length needs (plus prefix-cache slack): a
+        # small model on a big GPU leaves the rest of the card to its neighbours.
+        num_blocks = need_blocks
+        source += f", capped at the {need_blocks} blocks max_num_seqs x max_model_len can use"
     if num_blocks < 1:
         raise RuntimeError(f"no room for a KV cache: {source} leaves {budget} bytes, "
                            f"one block needs {per_block}")

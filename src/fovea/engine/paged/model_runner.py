@@ -96,8 +96,11 @@ class ModelRunner:
                                    cap_bytes=cfg.kv_cache_max_bytes)
         peak = self._profile_peak(shape)
         free, _total = torch.cuda.mem_get_info(self.device)
+        per_seq = -(-cfg.max_model_len // cfg.block_size)
+        need = 2 * cfg.max_num_seqs * per_seq  # twice: room for the prefix cache to keep blocks
         return plan_num_blocks(shape, device_type="cuda", cap_bytes=cfg.kv_cache_max_bytes, free_bytes=free,
-                               activation_peak_bytes=peak, margin_bytes=cfg.gpu_memory_margin_bytes)
+                               activation_peak_bytes=peak, margin_bytes=cfg.gpu_memory_margin_bytes,
+                               need_blocks=need)
 
     def _profile_peak(self, shape: KVShape) -> int:
         """Peak activation bytes of the largest step (see ``dummy_step``), measured on CUDA."""
