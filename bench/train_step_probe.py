@@ -27,7 +27,12 @@ def main() -> None:
                           eval_every=args.steps, compile=mode != "none",
                           compile_mode=mode if mode != "none" else "default")
         started = time.time()
-        report = train(cfg)
+        try:
+            report = train(cfg)
+        except Exception as exc:  # noqa: BLE001 - one mode failing must not hide the others
+            print(f"mode {mode} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            rows.append((mode, float("nan"), time.time() - started, float("nan")))
+            continue
         rows.append((mode, report["median_step_ms_sampled"], time.time() - started,
                      min(report["best_heldout"][t] for t in ("describe", "count", "color", "where", "exists"))))
     print(f"\n{'mode':<18}{'ms/step':>10}{'run s':>10}{'min task acc':>14}")

@@ -30,7 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
-    serve.add_argument("--max-batch-size", type=int, default=16)
+    serve.add_argument("--engine", choices=["paged", "simple"], default="paged",
+                       help="paged: continuous batching over a paged KV cache (default); simple: static batches "
+                            "through transformers' forward")
+    serve.add_argument("--max-batch-size", type=int, default=None,
+                       help="sequences decoded together (default: 256 on GPU, 16 on CPU)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
     serve.add_argument("--limit-images-per-prompt", type=int, default=4)
     serve.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    import torch
+
     from fovea.config import ServerSettings
     from fovea.media.config import MediaConfig
     from fovea.serve.app import create_app
@@ -112,7 +118,8 @@ def serve(args: argparse.Namespace) -> int:
         media_kwargs["max_image_pixels"] = args.max_image_pixels
     settings = ServerSettings(
         model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-        served_model_name=args.served_model_name, max_batch_size=args.max_batch_size,
+        served_model_name=args.served_model_name, engine=args.engine,
+        max_batch_size=args.max_batch_size or (256 if torch.cuda.is_available() and args.device != "cpu" else 16),
         max_queue=args.max_queue, limit_images_per_prompt=args.limit_images_per_prompt,
         max_body_bytes=args.max_body_bytes, api_key=args.api_key,
         processor_override=args.processor_override, force_processor_override=args.force_processor_override,

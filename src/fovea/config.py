@@ -17,7 +17,8 @@ class ServerSettings:
     device: str = "auto"
     dtype: str = "auto"
     served_model_name: str | None = None
-    max_batch_size: int = 16
+    engine: str = "paged"  # "paged": continuous batching over a paged KV cache; "simple": static batches
+    max_batch_size: int = 16  # sequences decoded together
     max_queue: int = 256
     limit_images_per_prompt: int = 4
     max_body_bytes: int = 32 * 1024 * 1024
@@ -32,6 +33,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} is not between 1 and 65535")
+        if self.engine not in ("paged", "simple"):
+            raise ValueError(f"--engine must be 'paged' or 'simple', not {self.engine!r}")
         if self.max_batch_size < 1:
             raise ValueError("--max-batch-size must be at least 1")
         if self.max_queue < 1:

@@ -4,7 +4,8 @@ Each reference image is one large shape of a known colour, drawn in code. For ea
 canary (a) asks what colour the shape is and requires the colour word in the answer, and
 (b) compares the first-token distribution given the image with the one given a blank
 canvas of the same size: if their KL divergence is not above a threshold, the model is
-ignoring the image. The threshold is calibrated at start-up from the KL between an image
+ignoring the image. Every run draws slightly moved variants, so neither the encoder cache
+nor the prefix cache can answer for the model. The threshold is calibrated at start-up from the KL between an image
 and a re-encoded copy of itself (what "the same picture" looks like to this model), with a
 floor so that a model that ignores everything cannot calibrate itself into passing.
 """
@@ -12,7 +13,9 @@ floor so that a model that ignores everything cannot calibrate itself into passi
 from __future__ import annotations
 
 import io
+import itertools
 import math
+import random
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -48,16 +51,28 @@ DEFAULT_CASES = (
 )
 
 
-def draw_case(case: CanaryCase, size: int = 256) -> Image.Image:
+def draw_case(case: CanaryCase, size: int = 256, variant: int = 0) -> Image.Image:
+    """The reference image; ``variant`` nudges the shape by a few pixels so that every canary
+    run sends pixels no cache has seen (the encoder cache and the prefix cache key on them)."""
     image = Image.new("RGB", (size, size), (255, 255, 255))
     draw = ImageDraw.Draw(image)
+    rng = random.Random(variant)
+    dx, dy = (rng.randint(-size // 32, size // 32) for _ in range(2))
     lo, hi = size * 0.3, size * 0.7
     if case.shape == "circle":
-        draw.ellipse((lo, lo, hi, hi), fill=case.rgb)
+        draw.ellipse((lo + dx, lo + dy, hi + dx, hi + dy), fill=case.rgb)
     elif case.shape == "square":
-        draw.rectangle((lo, lo, hi, hi), fill=case.rgb)
+        draw.rectangle((lo + dx, lo + dy, hi + dx, hi + dy), fill=case.rgb)
     else:
-        draw.polygon([(size / 2, lo), (hi, hi), (lo, hi)], fill=case.rgb)
+        draw.polygon([(size / 2 + dx, lo + dy), (hi + dx, hi + dy), (lo + dx, hi + dy)], fill=case.rgb)
+    return image
+
+
+def draw_blank(size: tuple[int, int], variant: int = 0) -> Image.Image:
+    """A white canvas with one barely-off-white pixel placed by ``variant`` (again: never cached)."""
+    image = Image.new("RGB", size, (255, 255, 255))
+    rng = random.Random(variant)
+    image.putpixel((rng.randrange(size[0]), rng.randrange(size[1])), (250, 250, 250))
     return image
 
 
@@ -105,6 +120,7 @@ class Canary:
         self.floor = floor
         self.threshold: float | None = None
         self.last: CanaryResult | None = None
+        self._variants = itertools.count(1)
 
     async def _first_logprobs(self, image_bytes: bytes, question: str, max_tokens: int) -> tuple[str, torch.Tensor]:
         image = decode_image_bytes(image_bytes, self.media)  # the serving path's decoder
@@ -123,7 +139,7 @@ class Canary:
         """KL between each reference image and a JPEG re-encoding of it: the model's noise floor."""
         noise = 0.0
         for case in self.cases:
-            image = draw_case(case)
+            image = draw_case(case, variant=next(self._variants))
             _, p = await self._first_logprobs(png_bytes(image), case.question, 1)
             _, q = await self._first_logprobs(png_bytes(image, "JPEG", quality=90), case.question, 1)
             noise = max(noise, kl_divergence(p, q))
@@ -138,9 +154,9 @@ class Canary:
         results: list[CaseResult] = []
         reasons: list[str] = []
         for case in self.cases:
-            image = draw_case(case)
+            image = draw_case(case, variant=next(self._variants))
             answer, p = await self._first_logprobs(png_bytes(image), case.question, 16)
-            blank = Image.new("RGB", image.size, (255, 255, 255))
+            blank = draw_blank(image.size, variant=next(self._variants))
             _, q = await self._first_logprobs(png_bytes(blank), case.question, 1)
             kl = kl_divergence(p, q)
             hit = case.colour in answer.lower().replace(",", " ").replace(".", " ").split()

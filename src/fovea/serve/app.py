@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from fovea import __version__
 from fovea.config import ServerSettings
 from fovea.engine.engine import Engine, EngineConfig
+from fovea.engine.paged import PagedEngine, PagedEngineConfig
 from fovea.errors import FoveaError
 from fovea.model.contract import check_contract
 from fovea.model.loader import LoadedModel, load_model
@@ -41,8 +42,12 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     for note in contract.notes:
         log.warning("%s: %s", loaded.name, note)
     metrics_box: list[Metrics] = []
-    engine = Engine(loaded, EngineConfig(settings.max_batch_size, settings.max_queue),
-                    on_vision_seconds=lambda s: metrics_box[0].vision_latency.observe(1000 * s))
+    on_vision = lambda s: metrics_box[0].vision_latency.observe(1000 * s)  # noqa: E731
+    if settings.engine == "paged":
+        engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
+                                                       max_queue=settings.max_queue), on_vision_seconds=on_vision)
+    else:
+        engine = Engine(loaded, EngineConfig(settings.max_batch_size, settings.max_queue), on_vision_seconds=on_vision)
     metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses))
     metrics_box.append(metrics)
     state = ServerState.build(settings, loaded, engine, contract, metrics)
