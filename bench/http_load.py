@@ -115,7 +115,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "fovea.cli", "--log-level", "warning", "serve", "--port", str(port),
-           "--device", args.device, "--max-batch-size", str(args.max_batch_size)]
+           "--device", args.device, "--max-batch-size", str(args.max_batch_size), "--engine", args.engine,
+           "--no-canary"]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -140,6 +141,7 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="model dir for the started server / model id to send")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--engine", default="paged", choices=["paged", "simple"], help="for the started server")
     parser.add_argument("--single", type=int, default=30, help="sequential requests for latency")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64, help="requests in the concurrent phase")

@@ -18,6 +18,7 @@ import torch
 
 from fovea.demo import scenes
 from fovea.engine.engine import Engine, EngineConfig
+from fovea.engine.paged import PagedEngine, PagedEngineConfig
 from fovea.engine.request import FinishEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.model.loader import load_model
@@ -71,8 +72,13 @@ def main() -> None:
     hf_batch_s = time.perf_counter() - started
 
     # fovea: the serving engine; the same static batches as generate; then closed-loop clients.
-    async def fovea_static() -> tuple[float, int]:
-        engine = Engine(loaded, EngineConfig(max_batch_size=args.batch, cpu_threads=args.threads))
+    def make(kind: str, batch: int):
+        if kind == "paged":
+            return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=batch, cpu_threads=args.threads))
+        return Engine(loaded, EngineConfig(max_batch_size=batch, cpu_threads=args.threads))
+
+    async def fovea_static(kind: str) -> tuple[float, int]:
+        engine = make(kind, args.batch)
         engine.start()
         tokens = 0
 
@@ -90,8 +96,8 @@ def main() -> None:
         engine.stop()
         return wall, tokens
 
-    async def fovea_run(concurrency: int) -> tuple[list[float], float, int]:
-        engine = Engine(loaded, EngineConfig(max_batch_size=concurrency, cpu_threads=args.threads))
+    async def fovea_run(kind: str, concurrency: int) -> tuple[list[float], float, int]:
+        engine = make(kind, concurrency)
         engine.start()
         latencies: list[float] = []
         tokens = 0
@@ -114,18 +120,22 @@ def main() -> None:
         engine.stop()
         return latencies, wall, tokens
 
-    fv_single, _, _ = asyncio.run(fovea_run(1))
-    fv_static_s, fv_static_tokens = asyncio.run(fovea_static())
-    _, fv_wall, fv_tokens = asyncio.run(fovea_run(args.batch))
+    cols = {}
+    for kind in ("simple", "paged"):
+        single, _, _ = asyncio.run(fovea_run(kind, 1))
+        static_s, static_tokens = asyncio.run(fovea_static(kind))
+        _, wall, tokens = asyncio.run(fovea_run(kind, args.batch))
+        cols[kind] = (single, static_s, static_tokens, wall, tokens)
 
-    print(f"{loaded.name} on cpu, {torch.get_num_threads()} threads, {args.requests} caption requests")
-    print(f"{'':<34}{'transformers':>14}{'fovea engine':>14}")
-    print(f"{'single p50 ms':<34}{1000 * statistics.median(hf_single):>14.1f}{1000 * statistics.median(fv_single):>14.1f}")
-    print(f"{'single p95 ms':<34}{1000 * pct(hf_single, 0.95):>14.1f}{1000 * pct(fv_single, 0.95):>14.1f}")
-    print(f"{f'static batches of {args.batch}, req/s':<34}{args.requests / hf_batch_s:>14.1f}{args.requests / fv_static_s:>14.1f}")
-    print(f"{f'static batches of {args.batch}, tok/s':<34}{hf_tokens / hf_batch_s:>14.1f}{fv_static_tokens / fv_static_s:>14.1f}")
-    print(f"{f'{args.batch} closed-loop clients, req/s':<34}{'-':>14}{args.requests / fv_wall:>14.1f}")
-    print(f"{f'{args.batch} closed-loop clients, tok/s':<34}{'-':>14}{fv_tokens / fv_wall:>14.1f}")
+    print(f"{loaded.name} on cpu, {args.threads} thread(s), {args.requests} caption requests, greedy")
+    print(f"{'':<34}{'transformers':>14}{'fovea simple':>14}{'fovea paged':>14}")
+    row = lambda name, hf, f: print(f"{name:<34}{hf:>14}" + "".join(f"{f(c):>14.1f}" for c in cols.values()))  # noqa: E731
+    row("single p50 ms", f"{1000 * statistics.median(hf_single):.1f}", lambda c: 1000 * statistics.median(c[0]))
+    row("single p95 ms", f"{1000 * pct(hf_single, 0.95):.1f}", lambda c: 1000 * pct(c[0], 0.95))
+    row(f"static batches of {args.batch}, req/s", f"{args.requests / hf_batch_s:.1f}", lambda c: args.requests / c[1])
+    row(f"static batches of {args.batch}, tok/s", f"{hf_tokens / hf_batch_s:.1f}", lambda c: c[2] / c[1])
+    row(f"{args.batch} closed-loop clients, req/s", "-", lambda c: args.requests / c[3])
+    row(f"{args.batch} closed-loop clients, tok/s", "-", lambda c: c[4] / c[3])
 
 
 if __name__ == "__main__":
