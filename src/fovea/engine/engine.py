@@ -7,12 +7,10 @@ Requests that are waiting when the worker becomes free are taken together (up to
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import queue
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -20,9 +18,9 @@ import torch
 
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.hf_runner import HFBatchRunner
-from fovea.engine.request import EngineRequest, ErrorEvent, Event, FinishEvent
+from fovea.engine.request import EngineRequest, ErrorEvent, Event, submit_and_stream
 from fovea.engine.sampling import SamplingParams
-from fovea.errors import InvalidRequest, Overloaded
+from fovea.errors import InvalidRequest
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt
 
@@ -87,28 +85,9 @@ class Engine:
                        want_first_logprobs: bool = False) -> AsyncIterator[Event]:
         """Stream the events of one request; cancel it if the consumer stops early."""
         self.check_fits(prompt, params)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        request = EngineRequest(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt=prompt,
-            params=params,
-            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-            want_first_logprobs=want_first_logprobs,
-        )
-        try:
-            self._queue.put_nowait(request)
-        except queue.Full:
-            raise Overloaded(
-                f"{self.config.max_queue} requests are already waiting; retry shortly.") from None
-        try:
-            while True:
-                event = await events.get()
-                yield event
-                if isinstance(event, (FinishEvent, ErrorEvent)):
-                    return
-        finally:
-            request.cancelled.set()  # no-op when finished; stops work for a gone client
+        async for event in submit_and_stream(self._queue, self.config.max_queue, prompt, params, request_id,
+                                             want_first_logprobs):
+            yield event
 
     # ---- worker ---------------------------------------------------------------------
     def _loop(self) -> None:

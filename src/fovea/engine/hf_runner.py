@@ -18,11 +18,11 @@ from transformers import DynamicCache
 
 from fovea.engine.detokenize import IncrementalDetokenizer
 from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.image_encoder import ImageEncoder
 from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent
 from fovea.engine.sampling import make_generator, sample_next
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import PlaceholderMismatch
-from fovea.model.vision import encode_images
 
 
 class HFBatchRunner:
@@ -30,7 +30,7 @@ class HFBatchRunner:
                  on_vision_seconds: Callable[[float], None] | None = None) -> None:
         self.loaded = loaded
         self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache()
-        self.on_vision_seconds = on_vision_seconds
+        self.images = ImageEncoder(loaded, self.encoder_cache, on_vision_seconds=on_vision_seconds)
         params = inspect.signature(loaded.model.forward).parameters
         # transformers renamed ``past_key_values`` to ``cache`` in later 5.x releases.
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -103,28 +103,7 @@ class HFBatchRunner:
 
     def image_embeddings(self, requests: list[EngineRequest]) -> dict[str, torch.Tensor]:
         """Embeddings of every image in the batch: cached ones reused, the rest encoded together."""
-        found: dict[str, torch.Tensor] = {}
-        todo: dict[str, torch.Tensor] = {}
-        for req in requests:
-            for index, key in enumerate(req.prompt.image_hashes):
-                if key in found or key in todo:
-                    continue
-                cached = self.encoder_cache.get(key)
-                if cached is not None:
-                    found[key] = cached
-                else:
-                    todo[key] = req.prompt.pixel_values[index]
-        if todo:
-            started = time.perf_counter()
-            encoded = encode_images(self.loaded, torch.stack(list(todo.values())))
-            if self.loaded.device.type == "cuda":
-                torch.cuda.synchronize(self.loaded.device)
-            if self.on_vision_seconds:
-                self.on_vision_seconds(time.perf_counter() - started)
-            for key, rows in zip(todo, encoded):
-                self.encoder_cache.put(key, rows)
-                found[key] = rows
-        return found
+        return self.images.rows_for(r.prompt for r in requests)
 
     def prompt_embeddings(self, requests: list[EngineRequest], input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings with each image's rows scattered into its placeholder positions."""

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import threading
 import time
+import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from fovea.engine.sampling import SamplingParams
+from fovea.errors import Overloaded
 from fovea.model.prompt import EncodedPrompt
 
 
@@ -48,3 +53,34 @@ class EngineRequest:
     cancelled: threading.Event = field(default_factory=threading.Event)
     want_first_logprobs: bool = False  # for grounding scores and the canary's image ablation
     first_logprobs: torch.Tensor | None = None
+
+
+async def submit_and_stream(work_queue: "queue.Queue[EngineRequest | None]", max_queue: int,
+                            prompt: EncodedPrompt, params: SamplingParams, request_id: str | None,
+                            want_first_logprobs: bool) -> AsyncIterator[Event]:
+    """Queue one request for an engine's worker thread and stream its events back.
+
+    A full queue is refused with 429; a consumer that stops early cancels the request so the
+    worker drops it (or frees its KV blocks) at the next step.
+    """
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+    request = EngineRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        prompt=prompt,
+        params=params,
+        emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        want_first_logprobs=want_first_logprobs,
+    )
+    try:
+        work_queue.put_nowait(request)
+    except queue.Full:
+        raise Overloaded(f"{max_queue} requests are already waiting; retry shortly.") from None
+    try:
+        while True:
+            event = await events.get()
+            yield event
+            if isinstance(event, (FinishEvent, ErrorEvent)):
+                return
+    finally:
+        request.cancelled.set()  # no-op when finished

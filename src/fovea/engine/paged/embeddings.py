@@ -7,17 +7,16 @@ chunk of a chunked prefill reads the same rows.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.image_encoder import ImageEncoder
 from fovea.engine.paged.llama import PagedLlama
 from fovea.engine.paged.sequence import Sequence
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import PlaceholderMismatch
-from fovea.model.vision import encode_images
 
 
 class PromptEmbedder:
@@ -25,36 +24,10 @@ class PromptEmbedder:
                  vision_batch_size: int, on_vision_seconds: Callable[[float], None] | None = None) -> None:
         self.loaded = loaded
         self.llama = llama
-        self.encoder_cache = encoder_cache
-        self.vision_batch_size = vision_batch_size
-        self.on_vision_seconds = on_vision_seconds
+        self.images = ImageEncoder(loaded, encoder_cache, vision_batch_size, on_vision_seconds)
 
     def image_rows(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
-        found: dict[str, torch.Tensor] = {}
-        todo: dict[str, torch.Tensor] = {}
-        for seq in seqs:
-            prompt = seq.request.prompt
-            for index, key in enumerate(prompt.image_hashes):
-                if key in found or key in todo:
-                    continue
-                cached = self.encoder_cache.get(key)
-                if cached is not None:
-                    found[key] = cached
-                else:
-                    todo[key] = prompt.pixel_values[index]
-        keys = list(todo)
-        for lo in range(0, len(keys), self.vision_batch_size):
-            batch = keys[lo:lo + self.vision_batch_size]
-            started = time.perf_counter()
-            encoded = encode_images(self.loaded, torch.stack([todo[k] for k in batch]))
-            if self.loaded.device.type == "cuda":
-                torch.cuda.synchronize(self.loaded.device)
-            if self.on_vision_seconds:
-                self.on_vision_seconds(time.perf_counter() - started)
-            for key, rows in zip(batch, encoded):
-                self.encoder_cache.put(key, rows)
-                found[key] = rows
-        return found
+        return self.images.rows_for(seq.request.prompt for seq in seqs)
 
     def fill(self, seqs: list[Sequence]) -> None:
         """Set ``prompt_embeds`` ([prompt_len, hidden]) of each sequence."""

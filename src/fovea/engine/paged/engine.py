@@ -7,13 +7,11 @@ prompts, one forward, sample, emit. It blocks on the queue only when it has noth
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import queue
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -25,9 +23,9 @@ from fovea.engine.paged.model_runner import ModelRunner
 from fovea.engine.paged.sampler import sample_tokens
 from fovea.engine.paged.scheduler import Scheduler, StepPlan
 from fovea.engine.paged.sequence import Sequence
-from fovea.engine.request import EngineRequest, ErrorEvent, Event, FinishEvent
+from fovea.engine.request import EngineRequest, ErrorEvent, Event, submit_and_stream
 from fovea.engine.sampling import SamplingParams
-from fovea.errors import InvalidRequest, Overloaded
+from fovea.errors import InvalidRequest
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch
 
@@ -108,28 +106,9 @@ class PagedEngine:
         if self._dead is not None:
             raise EngineStopped(f"the engine worker died: {type(self._dead).__name__}: {self._dead}")
         self.check_fits(prompt, params)
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        request = EngineRequest(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt=prompt,
-            params=params,
-            emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-            want_first_logprobs=want_first_logprobs,
-        )
-        try:
-            self._queue.put_nowait(request)
-        except queue.Full:
-            raise Overloaded(
-                f"{self.config.max_queue} requests are already waiting; retry shortly.") from None
-        try:
-            while True:
-                event = await events.get()
-                yield event
-                if isinstance(event, (FinishEvent, ErrorEvent)):
-                    return
-        finally:
-            request.cancelled.set()  # no-op when finished; the worker frees a gone client's blocks
+        async for event in submit_and_stream(self._queue, self.config.max_queue, prompt, params, request_id,
+                                             want_first_logprobs):
+            yield event
 
     # ---- worker ---------------------------------------------------------------------
     def _loop(self) -> None:

@@ -1,0 +1,54 @@
+"""Image embeddings for the prompts of one step: cached ones reused, new ones encoded in batches.
+
+Both engines use this, so the encoder cache, the vision-latency metric and the batching of
+the vision tower behave the same whichever engine serves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from fovea.engine.encoder_cache import EncoderCache
+from fovea.model.loader import LoadedModel
+from fovea.model.prompt import EncodedPrompt
+from fovea.model.vision import encode_images
+
+
+class ImageEncoder:
+    def __init__(self, loaded: LoadedModel, cache: EncoderCache, batch_size: int | None = None,
+                 on_vision_seconds: Callable[[float], None] | None = None) -> None:
+        self.loaded = loaded
+        self.cache = cache
+        self.batch_size = batch_size  # None: all new images of a step in one call
+        self.on_vision_seconds = on_vision_seconds
+
+    def rows_for(self, prompts: Iterable[EncodedPrompt]) -> dict[str, torch.Tensor]:
+        """{image hash: [tokens_per_image, hidden]} for every image of ``prompts``."""
+        found: dict[str, torch.Tensor] = {}
+        todo: dict[str, torch.Tensor] = {}
+        for prompt in prompts:
+            for index, key in enumerate(prompt.image_hashes):
+                if key in found or key in todo:
+                    continue
+                cached = self.cache.get(key)
+                if cached is not None:
+                    found[key] = cached
+                else:
+                    todo[key] = prompt.pixel_values[index]
+        keys = list(todo)
+        step = self.batch_size or max(1, len(keys))
+        for lo in range(0, len(keys), step):
+            batch = keys[lo:lo + step]
+            started = time.perf_counter()
+            encoded = encode_images(self.loaded, torch.stack([todo[k] for k in batch]))
+            if self.loaded.device.type == "cuda":
+                torch.cuda.synchronize(self.loaded.device)  # honest timing for the metric
+            if self.on_vision_seconds:
+                self.on_vision_seconds(time.perf_counter() - started)
+            for key, rows in zip(batch, encoded, strict=True):
+                self.cache.put(key, rows)
+                found[key] = rows
+        return found
