@@ -8,16 +8,14 @@ Requests that are waiting when the worker becomes free are taken together (up to
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import torch
-
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.hf_runner import HFBatchRunner
+from fovea.engine.image_encoder import start_worker
 from fovea.engine.request import EngineRequest, ErrorEvent, Event, submit_and_stream
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import InvalidRequest
@@ -56,10 +54,7 @@ class Engine:
     # ---- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            if self.loaded.device.type == "cpu":
-                torch.set_num_threads(self.config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
-            self._thread = threading.Thread(target=self._loop, name="fovea-engine", daemon=True)
-            self._thread.start()
+            self._thread = start_worker(self._loop, "fovea-engine", self.loaded.device, self.config.cpu_threads)
 
     def stop(self) -> None:
         if self._thread is not None:

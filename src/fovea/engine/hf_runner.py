@@ -18,11 +18,10 @@ from transformers import DynamicCache
 
 from fovea.engine.detokenize import IncrementalDetokenizer
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.image_encoder import ImageEncoder
+from fovea.engine.image_encoder import ImageEncoder, scatter_image_rows
 from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent
 from fovea.engine.sampling import make_generator, sample_next
 from fovea.model.loader import LoadedModel
-from fovea.model.prompt import PlaceholderMismatch
 
 
 class HFBatchRunner:
@@ -112,18 +111,9 @@ class HFBatchRunner:
         # overwritten below, so look up any valid id there.
         embeds = table(input_ids.masked_fill(input_ids >= table.num_embeddings, 0))
         images = self.image_embeddings(requests)
-        image_mask = input_ids == self.loaded.image_token_id
         for row, req in enumerate(requests):
-            positions = image_mask[row].nonzero().squeeze(1)
             rows = [images[key] for key in req.prompt.image_hashes]
-            supplied = sum(r.shape[0] for r in rows)
-            if supplied != positions.numel():
-                # The prompt was checked when it was built; this guards the hand-off itself.
-                raise PlaceholderMismatch(
-                    f"request {req.request_id}: {positions.numel()} image-token positions but "
-                    f"{supplied} image embedding rows", status=500)
-            if rows:
-                embeds[row, positions] = torch.cat(rows).to(embeds.dtype)
+            scatter_image_rows(embeds[row], input_ids[row], rows, self.loaded.image_token_id, req.request_id)
         return embeds
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, inputs_embeds) -> torch.Tensor:

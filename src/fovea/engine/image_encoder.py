@@ -6,6 +6,8 @@ the vision tower behave the same whichever engine serves.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -13,7 +15,7 @@ import torch
 
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.model.loader import LoadedModel
-from fovea.model.prompt import EncodedPrompt
+from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch
 from fovea.model.vision import encode_images
 
 
@@ -52,3 +54,29 @@ class ImageEncoder:
                 self.cache.put(key, rows)
                 found[key] = rows
         return found
+
+
+def scatter_image_rows(embeds: torch.Tensor, input_ids: torch.Tensor, rows: list[torch.Tensor],
+                       image_token_id: int, request_id: str) -> None:
+    """Write each image's rows into one sequence's image-token positions (in place).
+
+    The prompt's counts were checked when it was built; this guards the hand-off itself.
+    """
+    positions = (input_ids == image_token_id).nonzero().squeeze(1)
+    supplied = sum(r.shape[0] for r in rows)
+    if supplied != positions.numel():
+        raise PlaceholderMismatch(f"request {request_id}: {positions.numel()} image-token positions but "
+                                  f"{supplied} image embedding rows", status=500)
+    if rows:
+        embeds[positions] = torch.cat(rows).to(embeds.dtype)
+
+
+def start_worker(target: Callable[[], None], name: str, device: torch.device,
+                 cpu_threads: int | None) -> threading.Thread:
+    """The engine's worker thread. On a CPU device the model gets all cores but one (the
+    other is left to HTTP and preprocessing: oversubscribed OpenMP threads spin and starve them)."""
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread

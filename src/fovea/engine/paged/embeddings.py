@@ -12,11 +12,10 @@ from collections.abc import Callable
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.image_encoder import ImageEncoder
+from fovea.engine.image_encoder import ImageEncoder, scatter_image_rows
 from fovea.engine.paged.llama import PagedLlama
 from fovea.engine.paged.sequence import Sequence
 from fovea.model.loader import LoadedModel
-from fovea.model.prompt import PlaceholderMismatch
 
 
 class PromptEmbedder:
@@ -36,13 +35,6 @@ class PromptEmbedder:
         for seq in seqs:
             ids = torch.tensor(seq.token_ids[:seq.prompt_len], device=device)
             embeds = self.llama.embed_ids(ids)
-            positions = (ids == self.loaded.image_token_id).nonzero().squeeze(1)
             rows = [images[key] for key in seq.request.prompt.image_hashes]
-            supplied = sum(r.shape[0] for r in rows)
-            if supplied != positions.numel():
-                raise PlaceholderMismatch(
-                    f"request {seq.request.request_id}: {positions.numel()} image-token positions but "
-                    f"{supplied} image embedding rows", status=500)
-            if rows:
-                embeds[positions] = torch.cat(rows).to(embeds.dtype)
+            scatter_image_rows(embeds, ids, rows, self.loaded.image_token_id, seq.request.request_id)
             seq.prompt_embeds = embeds

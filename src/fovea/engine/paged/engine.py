@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.image_encoder import start_worker
 from fovea.engine.paged.block_manager import BlockManager
 from fovea.engine.paged.config import PagedEngineConfig
 from fovea.engine.paged.model_runner import ModelRunner
@@ -60,10 +60,7 @@ class PagedEngine:
     # ---- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
-            if self.loaded.device.type == "cpu":
-                torch.set_num_threads(self.config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
-            self._thread = threading.Thread(target=self._loop, name="fovea-paged-engine", daemon=True)
-            self._thread.start()
+            self._thread = start_worker(self._loop, "fovea-paged-engine", self.loaded.device, self.config.cpu_threads)
 
     def stop(self) -> None:
         if self._thread is not None:
