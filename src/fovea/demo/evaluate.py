@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fovea.demo import scenes
-from fovea.engine.engine import Engine, EngineConfig
+from fovea.engine.paged import PagedEngine, PagedEngineConfig
 from fovea.engine.request import FinishEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.model.loader import LoadedModel, load_model
@@ -52,7 +52,8 @@ def make_cases(n_scenes: int, seed: int = EVAL_SEED) -> list[tuple[scenes.Scene,
 
 
 async def answer_all(loaded: LoadedModel, cases: list[Case], batch_size: int = 64) -> None:
-    engine = Engine(loaded, EngineConfig(max_batch_size=batch_size, max_queue=len(cases) + 1))
+    # The server's default engine, so the accuracy is the served accuracy.
+    engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=batch_size, max_queue=len(cases) + 1))
     engine.start()
     try:
         images: dict[int, object] = {}
