@@ -138,7 +138,6 @@ def ceilings() -> dict:
     a.random_()
     copy_s = time_cuda(lambda: b.copy_(a))
     bandwidth = 2 * n / copy_s  # bytes read + written
-    del a, b
     m = 8192
     x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
