@@ -212,6 +212,8 @@ def main() -> int:
     parser.add_argument("--engines", default="paged,simple", help="comma list of fovea engines to time")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one request and a 32-request burst per engine (tables under --out)")
     args = parser.parse_args()
     device = torch.device("cuda")
     results: dict = {"engines": args.engines, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
@@ -269,6 +271,8 @@ def main() -> int:
         try:
             run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, floor_step, floor_ttft,
                        bound_s, n_prompt)
+            if args.profile:
+                profile_engine(kind, engine, loaded, Path(args.out))
         except Exception:
             traceback.print_exc()
         finally:
@@ -324,6 +328,20 @@ def run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, f
     rows.append((f"{kind}: {n} requests", "output tok/s", f"{tokens_out / wall:.0f}",
                  f"{hf['batch_tok_s']:.0f} (b32)", f"{n * 128 / bound_s:.0f} (roofline)"))
     log(f"{kind} throughput: {out['throughput']}")
+
+
+def profile_engine(kind: str, engine, loaded, out: Path) -> None:
+    """Where the time goes: the top kernels and ops of one request and of a 32-request burst."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, prompts, tokens in (("single", [make_prompt(loaded, 5000)], 32),
+                                  ("burst32", [make_prompt(loaded, 6000 + i) for i in range(32)], 32)):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            asyncio.run(run_requests(engine, prompts, tokens))
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        (out / f"profile_{kind}_{name}.txt").write_text(table)
+        log(f"profile {kind}/{name} written")
 
 
 async def _tokens_and_logits(engine, prompt):
