@@ -58,7 +58,10 @@ class Engine:
 
     def stop(self) -> None:
         if self._thread is not None:
-            self._queue.put(None)
+            try:
+                self._queue.put(None, timeout=30)  # after the queued work; never forever
+            except queue.Full:
+                log.error("engine queue still full after 30 s; leaving the worker thread behind")
             self._thread.join(timeout=30)
             self._thread = None
 

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from fovea.engine.detokenize import IncrementalDetokenizer
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.image_encoder import ImageEncoder, scatter_image_rows
+from fovea.engine.image_encoder import ImageEncoder, scatter_image_rows, token_embeddings
 from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent
 from fovea.engine.sampling import make_generator, sample_next
 from fovea.model.loader import LoadedModel
@@ -106,10 +106,7 @@ class HFBatchRunner:
 
     def prompt_embeddings(self, requests: list[EngineRequest], input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings with each image's rows scattered into its placeholder positions."""
-        table = self.loaded.model.get_input_embeddings()
-        # Some checkpoints give the image token an id past the embedding table; its rows are
-        # overwritten below, so look up any valid id there.
-        embeds = table(input_ids.masked_fill(input_ids >= table.num_embeddings, 0))
+        embeds = token_embeddings(self.loaded, input_ids)
         images = self.image_embeddings(requests)
         for row, req in enumerate(requests):
             rows = [images[key] for key in req.prompt.image_hashes]

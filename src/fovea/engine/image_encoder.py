@@ -56,6 +56,16 @@ class ImageEncoder:
         return found
 
 
+def token_embeddings(loaded: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """The language model's token embeddings of ``input_ids`` (any shape).
+
+    Some checkpoints give the image token an id past the embedding table; those positions are
+    overwritten with image rows afterwards, so any valid id will do for the lookup.
+    """
+    table = loaded.model.get_input_embeddings()
+    return table(input_ids.masked_fill(input_ids >= table.num_embeddings, 0))
+
+
 def scatter_image_rows(embeds: torch.Tensor, input_ids: torch.Tensor, rows: list[torch.Tensor],
                        image_token_id: int, request_id: str) -> None:
     """Write each image's rows into one sequence's image-token positions (in place).

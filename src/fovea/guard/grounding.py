@@ -12,31 +12,36 @@ from __future__ import annotations
 
 import torch
 
+from fovea.engine.image_encoder import ImageEncoder, scatter_image_rows, token_embeddings
 from fovea.guard.canary import kl_divergence
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt
-from fovea.model.vision import embed_with_images, encode_images
 
 SCORED_TOKENS = 8
 
 
 @torch.inference_mode()
-def answer_logprobs(loaded: LoadedModel, prompt: EncodedPrompt, answer_ids: list[int]) -> torch.Tensor:
-    """[len(answer_ids), vocab] log-probabilities of each answer position, teacher-forced."""
+def answer_logprobs(loaded: LoadedModel, images: ImageEncoder, prompt: EncodedPrompt,
+                    answer_ids: list[int]) -> torch.Tensor:
+    """[len(answer_ids), vocab] log-probabilities of each answer position, teacher-forced.
+
+    ``images`` is backed by the engine's encoder cache: the request's own images were just
+    encoded there, so only the blank twin's are encoded here."""
     ids = torch.tensor(prompt.input_ids + answer_ids, device=loaded.device)
-    rows = encode_images(loaded, prompt.pixel_values) if prompt.pixel_values is not None else None
-    embeds = embed_with_images(loaded, ids, rows).unsqueeze(0)
-    out = loaded.model(inputs_embeds=embeds, logits_to_keep=len(answer_ids) + 1)
+    rows = images.rows_for([prompt])
+    embeds = token_embeddings(loaded, ids)
+    scatter_image_rows(embeds, ids, [rows[k] for k in prompt.image_hashes], loaded.image_token_id, "grounding")
+    out = loaded.model(inputs_embeds=embeds.unsqueeze(0), logits_to_keep=len(answer_ids) + 1)
     return torch.log_softmax(out.logits[0, :-1].float(), dim=-1).cpu()
 
 
-def answer_dependence(loaded: LoadedModel, prompt: EncodedPrompt, blank_twin: EncodedPrompt,
+def answer_dependence(loaded: LoadedModel, images: ImageEncoder, prompt: EncodedPrompt, blank_twin: EncodedPrompt,
                       answer_text: str, threshold: float, scored_tokens: int = SCORED_TOKENS) -> dict:
     ids = loaded.tokenizer(answer_text, add_special_tokens=False)["input_ids"][:scored_tokens]
     if not ids:
         ids = [next(iter(loaded.eos_token_ids))]  # an empty answer: score its end-of-sequence decision
-    real = answer_logprobs(loaded, prompt, ids)
-    blank = answer_logprobs(loaded, blank_twin, ids)
+    real = answer_logprobs(loaded, images, prompt, ids)
+    blank = answer_logprobs(loaded, images, blank_twin, ids)
     kls = [kl_divergence(real[i], blank[i]) for i in range(len(ids))]
     return {
         "scored_tokens": len(ids),

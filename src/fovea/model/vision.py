@@ -48,17 +48,3 @@ def pixel_hash(pixels: torch.Tensor) -> str:
     data = pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
     return hashlib.sha256(data).hexdigest()
 
-
-def embed_with_images(loaded: LoadedModel, input_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
-    """Token embeddings of one sequence ([L]) with ``image_rows`` ([n, T, H]) in its image-token positions."""
-    table = loaded.model.get_input_embeddings()
-    # Some checkpoints give the image token an id past the embedding table; those rows are
-    # overwritten below, so any valid id will do for the lookup.
-    embeds = table(input_ids.masked_fill(input_ids >= table.num_embeddings, 0))
-    positions = (input_ids == loaded.image_token_id).nonzero().squeeze(1)
-    supplied = 0 if image_rows is None else image_rows.shape[0] * image_rows.shape[1]
-    if supplied != positions.numel():
-        raise ValueError(f"{positions.numel()} image-token positions but {supplied} image embedding rows")
-    if supplied:
-        embeds[positions] = image_rows.reshape(-1, image_rows.shape[-1]).to(embeds.dtype)
-    return embeds

@@ -41,15 +41,14 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                               force_override=settings.force_processor_override)
     for note in contract.notes:
         log.warning("%s: %s", loaded.name, note)
-    metrics_box: list[Metrics] = []
-    on_vision = lambda s: metrics_box[0].vision_latency.observe(1000 * s)  # noqa: E731
+    # The gauges read the engine lazily, so the metrics can exist before the engine they watch.
+    metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses))
+    on_vision = lambda s: metrics.vision_latency.observe(1000 * s)  # noqa: E731
     if settings.engine == "paged":
         engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
                                                        max_queue=settings.max_queue), on_vision_seconds=on_vision)
     else:
         engine = Engine(loaded, EngineConfig(settings.max_batch_size, settings.max_queue), on_vision_seconds=on_vision)
-    metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses))
-    metrics_box.append(metrics)
     state = ServerState.build(settings, loaded, engine, contract, metrics)
 
     async def run_canary() -> None:

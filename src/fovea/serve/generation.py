@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import FoveaError
+from fovea.engine.image_encoder import ImageEncoder
 from fovea.guard.canary import KL_FLOOR
 from fovea.guard.grounding import answer_dependence
 from fovea.model.prompt import EncodedPrompt
@@ -41,7 +42,8 @@ async def grounding_report(state: ServerState, prompt: EncodedPrompt, twin: Enco
     if twin is None:
         return {"image_dependent": None, "note": "the request carries no image"}
     threshold = state.canary.threshold or KL_FLOOR
-    return await asyncio.to_thread(answer_dependence, state.loaded, prompt, twin, answer, threshold)
+    images = ImageEncoder(state.loaded, state.engine.encoder_cache)
+    return await asyncio.to_thread(answer_dependence, state.loaded, images, prompt, twin, answer, threshold)
 
 
 class Format:
@@ -86,7 +88,7 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     """``blank_twin`` (the prompt with blank images) asks for a per-request grounding score."""
     params = sampling_params(state, req, prompt)
     state.engine.check_fits(prompt, params)  # 400 before any streaming starts
-    rid = ("chatcmpl-" if fmt.kind == "chat" else "cmpl-") + protocol.completion_id().split("-", 1)[1]
+    rid = protocol.completion_id("chatcmpl" if fmt.kind == "chat" else "cmpl")
     grounding = bool(req.fovea and req.fovea.grounding)
     twin = blank_twin if grounding else None
     if req.stream:

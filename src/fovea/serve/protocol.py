@@ -104,8 +104,8 @@ class GenerateRequest(SamplingFields):
     image: str | None = None
 
 
-def completion_id() -> str:
-    return "chatcmpl-" + uuid.uuid4().hex
+def completion_id(prefix: str = "chatcmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def chat_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
