@@ -9,6 +9,10 @@ mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   echo "== triton decode kernel vs torch reference"
   timeout 120 python3 -m fovea.engine.paged.triton_decode --check
+  echo "== triton prefill kernel vs torch reference"
+  timeout 120 python3 -m fovea.engine.paged.triton_prefill --check
+  echo "== fused norm / rotary / activation / matrix-vector kernels vs torch"
+  timeout 120 python3 -m fovea.engine.paged.triton_ops --check
   echo "== end-to-end self-check vs transformers generate (demo model, fp32)"
   timeout 120 python3 -m fovea.engine.paged.selfcheck --device cuda
   echo "== same, prefill chunks of 24 tokens"

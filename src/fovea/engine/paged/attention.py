@@ -26,6 +26,31 @@ class AttnMeta:
     block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int32
     context_lens: torch.Tensor | None = None  # [num_decodes] int32, the new token included
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # The prefill spans as one batch for the Triton prefill kernel (None: per-span SDPA).
+    prefill_batch: PrefillBatch | None = None
+
+
+@dataclass(slots=True)
+class PrefillBatch:
+    """All prefill spans of a step in the layout of ``triton_prefill.paged_prefill``; their
+    query rows are contiguous, right after the decodes."""
+
+    cu_q_lens: torch.Tensor  # [S + 1] int32, relative to the first prefill row
+    q_starts: torch.Tensor  # [S] int32: position of each span's first token
+    block_tables: torch.Tensor  # [S, W] int32
+    max_q_len: int
+
+    @staticmethod
+    def build(spans: list[PrefillSpan], tables: list[list[int]], device: torch.device) -> PrefillBatch:
+        cu = [0]
+        for span in spans:
+            cu.append(cu[-1] + span.length)
+        width = max(len(t) for t in tables)
+        padded = [t + [t[0]] * (width - len(t)) for t in tables]  # padding is never read
+        return PrefillBatch(torch.tensor(cu, dtype=torch.int32, device=device),
+                            torch.tensor([s.start for s in spans], dtype=torch.int32, device=device),
+                            torch.tensor(padded, dtype=torch.int32, device=device),
+                            max(s.length for s in spans))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -96,15 +121,18 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 class DecodeAttention:
-    """Chooses the paged-decode implementation once (Triton on CUDA when it works)."""
+    """Chooses the paged-attention implementations once: Triton decode and prefill kernels
+    on CUDA when they work, torch elsewhere."""
 
     def __init__(self, use_triton: bool) -> None:
         self.use_triton = use_triton
         self._triton = None
+        self.prefill = None  # triton_prefill.paged_prefill when available
         if use_triton:
-            from fovea.engine.paged import triton_decode
+            from fovea.engine.paged import triton_decode, triton_prefill
 
             self._triton = triton_decode.paged_decode
+            self.prefill = triton_prefill.paged_prefill
 
     def __call__(self, q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
         if self._triton is not None:
@@ -117,10 +145,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     """q: [T, H, D], k/v: [T, KVH, D] (already written to the cache) -> [T, H, D]."""
     if not meta.prefills:
         return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = meta.num_decodes
     if nd:
         out[:nd] = decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    batch = meta.prefill_batch
+    if batch is not None and decode.prefill is not None:
+        decode.prefill(q[nd:], k_cache, v_cache, batch.cu_q_lens, batch.q_starts, batch.block_tables, scale,
+                       batch.max_q_len, out=out[nd:])
+        return out
     for span in meta.prefills:
         rows = slice(span.offset, span.offset + span.length)
         out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)

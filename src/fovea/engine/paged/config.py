@@ -27,6 +27,9 @@ class PagedEngineConfig:
     cuda_graphs: bool | None = None  # None: on when the device is CUDA (needs the Triton decode)
     max_graph_batch: int = 256
     triton_decode: bool | None = None  # None: on CUDA when triton imports and passes a self-check
+    # Fused q/k/v and gate/up products and Triton norm/rotary/activation kernels (CUDA, with
+    # the Triton decode). None or True: on wherever the Triton decode is; False: off.
+    fused_kernels: bool | None = None
     vision_batch_size: int = 8  # images per vision-tower call: bounds the encoder's activation peak
     cpu_threads: int | None = None  # as EngineConfig.cpu_threads: all cores but one by default
     encoder_cache_bytes: int = 256 * MiB

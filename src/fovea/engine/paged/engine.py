@@ -114,7 +114,7 @@ class PagedEngine:
                 index = self.loaded.device.index
                 torch.cuda.set_device(index if index is not None else torch.cuda.current_device())
             self._serve()
-        except BaseException as exc:  # noqa: BLE001 - a dead worker must not leave clients waiting
+        except BaseException as exc:
             log.exception("the engine worker died")
             self._dead = exc
             self._fail_all(exc)

@@ -14,7 +14,13 @@ import torch
 
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.paged import triton_decode
-from fovea.engine.paged.attention import AttnMeta, DecodeAttention, PrefillSpan, paged_decode_torch
+from fovea.engine.paged.attention import (
+    AttnMeta,
+    DecodeAttention,
+    PrefillBatch,
+    PrefillSpan,
+    paged_decode_torch,
+)
 from fovea.engine.paged.config import PagedEngineConfig
 from fovea.engine.paged.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
 from fovea.engine.paged.embeddings import PromptEmbedder
@@ -64,7 +70,10 @@ class ModelRunner:
         elif config.triton_decode:
             log.warning("triton is not importable: paged decode uses the torch path")
         self.decode_attention = DecodeAttention(use_triton)
-        self.llama = PagedLlama(loaded.model, config.max_model_len, self.decode_attention)
+        fused = use_triton and config.fused_kernels is not False
+        self.llama = PagedLlama(loaded.model, config.max_model_len, self.decode_attention, fused=fused)
+        log.info("paged engine: %s decode attention, %s forward", "Triton" if use_triton else "torch",
+                 "fused (Triton kernels)" if fused else "torch-op")
         self.embedder = PromptEmbedder(loaded, self.llama, encoder_cache, config.vision_batch_size,
                                        on_vision_seconds)
         shape = self.llama.kv_shape(self.block_size)
@@ -125,8 +134,10 @@ class ModelRunner:
         cfg, device = self.config, self.device
         tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         hidden = torch.zeros((tokens, self.llama.embed.shape[1]), dtype=self.llama.dtype, device=device)
-        meta = AttnMeta(slot_mapping=torch.arange(tokens, device=device),
-                        prefills=[PrefillSpan(0, tokens, 0, torch.arange(cache.num_blocks, device=device))])
+        span = PrefillSpan(0, tokens, 0, torch.arange(cache.num_blocks, device=device))
+        meta = AttnMeta(slot_mapping=torch.arange(tokens, device=device), prefills=[span])
+        if self.decode_attention.prefill is not None:
+            meta.prefill_batch = PrefillBatch.build([span], [list(range(cache.num_blocks))], device)
         rows = torch.arange(max(0, tokens - cfg.max_num_seqs), tokens, device=device)
         logits = self.llama.forward(hidden, torch.arange(tokens, device=device), meta, cache, rows).float()
         del hidden
@@ -174,6 +185,7 @@ class ModelRunner:
         slots = list(batch.slots) if batch else []
         rows = list(range(len(ids)))
         spans: list[PrefillSpan] = []
+        tables: list[list[int]] = []
         overrides: list[tuple[int, torch.Tensor]] = []
         for c in prefills:
             seq, offset = c.seq, len(ids)
@@ -181,6 +193,7 @@ class ModelRunner:
             positions.extend(range(c.start, c.end))
             slots.extend(self._slots(seq.block_table, c.start, c.end))
             used = -(-c.end // self.block_size)
+            tables.append(seq.block_table[:used])
             spans.append(PrefillSpan(offset, c.length, c.start,
                                      torch.tensor(seq.block_table[:used], dtype=torch.long, device=device)))
             if c.start < seq.prompt_len:
@@ -193,6 +206,8 @@ class ModelRunner:
             hidden[offset:offset + embeds.shape[0]] = embeds
         meta = AttnMeta(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
                         num_decodes=len(decodes), prefills=spans)
+        if spans and self.decode_attention.prefill is not None:
+            meta.prefill_batch = PrefillBatch.build(spans, tables, device)
         if batch is not None:
             meta.block_tables = torch.tensor(batch.block_tables, dtype=torch.int32, device=device)
             meta.context_lens = torch.tensor(batch.context_lens, dtype=torch.int32, device=device)

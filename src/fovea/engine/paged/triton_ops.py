@@ -1,0 +1,335 @@
+"""Fused Triton kernels for the Llama forward on CUDA: what a step spends outside the big
+matrix products, collapsed into one launch each.
+
+- ``add_rms_norm``: residual add + RMSNorm (one read of each row, two writes);
+- ``rope_write_kv``: rotary embedding of q and k in the fused qkv buffer, K and V stored
+  at their cache slots;
+- ``silu_mul``: SiLU(gate) * up over the fused gate_up buffer;
+- ``gemv``: x @ W^T for a few rows (decode at small batch), streaming W once at close to
+  copy bandwidth where cuBLAS's matrix-vector path stays below it.
+
+Every kernel rounds where transformers' eager ops round (each elementwise op's result in
+the model dtype), so a step differs from the torch path only by summation order.
+
+triton is imported lazily, as in ``triton_decode``. Check against the torch ops and time:
+
+    python -m fovea.engine.paged.triton_ops --check [--bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from fovea.engine.paged.triton_decode import _next_pow2
+
+log = logging.getLogger("fovea.engine.paged")
+
+GEMV_MAX_ROWS = 4  # above this many rows cuBLAS's matrix products win (see --bench)
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_rms_norm_kernel(X, R, W, OUT, stride_x, stride_r, stride_o, n_cols, eps,
+                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+        if HAS_RESIDUAL:  # R <- R + X, rounded to the model dtype as torch's add
+            x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+            x = x.to(R.dtype.element_ty)
+            tl.store(R + row * stride_r + cols, x, mask=ok)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+        y = (xf * rstd).to(OUT.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + row * stride_o + cols, (y * w).to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def rope_write_kv_kernel(QKV, POS, COS, SIN, KC, VC, SLOTS, stride_t, stride_pos,
+                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)  # q heads, then k heads, then v heads
+        dt = QKV.dtype.element_ty
+        offs = tl.arange(0, HALF)
+        base = QKV + t * stride_t + head * HEAD_DIM
+        x1 = tl.load(base + offs)
+        x2 = tl.load(base + HALF + offs)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        if head < NUM_HEADS + NUM_KV_HEADS:
+            pos = tl.load(POS + t).to(tl.int64)
+            c1 = tl.load(COS + pos * stride_pos + offs).to(tl.float32)
+            c2 = tl.load(COS + pos * stride_pos + HALF + offs).to(tl.float32)
+            s1 = tl.load(SIN + pos * stride_pos + offs).to(tl.float32)
+            s2 = tl.load(SIN + pos * stride_pos + HALF + offs).to(tl.float32)
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            # torch: (x * cos) + (rotate_half(x) * sin), each product rounded to the dtype.
+            y1 = ((f1 * c1).to(dt).to(tl.float32) + (-(f2 * s1)).to(dt).to(tl.float32)).to(dt)
+            y2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)).to(dt)
+            tl.store(base + offs, y1)
+            tl.store(base + HALF + offs, y2)
+            if head >= NUM_HEADS:
+                dst = KC + (slot * NUM_KV_HEADS + head - NUM_HEADS) * HEAD_DIM
+                tl.store(dst + offs, y1)
+                tl.store(dst + HALF + offs, y2)
+        else:
+            dst = VC + (slot * NUM_KV_HEADS + head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
+            tl.store(dst + offs, x1)
+            tl.store(dst + HALF + offs, x2)
+
+    @triton.jit
+    def silu_mul_kernel(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        dt = OUT.dtype.element_ty
+        g = tl.load(GU + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_g + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(OUT + row * stride_o + cols, (act * u).to(dt), mask=ok)
+
+    def gemv_configs():
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
+                for bn, bk, w in ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4),
+                                  (16, 512, 8), (16, 1024, 8), (32, 256, 4), (4, 2048, 8), (2, 2048, 4))]
+
+    def quick_bench(fn, quantiles=None):
+        if os.environ.get("TRITON_INTERPRET") == "1":  # CPU interpreter (tests): nothing to time
+            fn()
+            return [1.0] * len(quantiles) if quantiles else 1.0
+        return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+    @triton.autotune(configs=gemv_configs(), key=["M", "N", "K"], do_bench=quick_bench)
+    @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
+    @triton.jit
+    def gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < N
+        m_ok = offs_m < M
+        w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            else:
+                k_ok = (k + offs_k) < K
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    return add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel, gemv_kernel
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of ``x`` ([T, C]); with ``residual``, first ``residual += x`` in place and the
+    norm is of the sum. Returns the normed rows."""
+    kernel = _kernels()[0]
+    rows, cols = x.shape
+    out = torch.empty_like(x) if out is None else out
+    r = residual if residual is not None else x
+    kernel[(rows,)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), cols, eps,
+                    HAS_RESIDUAL=residual is not None, BLOCK=_next_pow2(cols), num_warps=8 if cols >= 4096 else 4)
+    return out
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Rotate q and k in ``qkv`` ([T, (H + 2 KVH) * D], in place) and store k and v at
+    ``slots`` of the caches ([blocks, block_size, KVH, D], contiguous)."""
+    kernel = _kernels()[1]
+    tokens = qkv.shape[0]
+    if tokens == 0:
+        return
+    kernel[(tokens, num_heads + 2 * num_kv_heads)](
+        qkv, positions, cos, sin, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, num_warps=1)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> [T, I] SiLU(gate) * up."""
+    kernel = _kernels()[2]
+    rows, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    kernel[(rows, -(-inter // block))](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
+                                       num_warps=4)
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T for M <= GEMV_MAX_ROWS (both K-contiguous)."""
+    kernel = _kernels()[3]
+    rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    grid = lambda meta: (-(-n // meta["BLOCK_N"]),)
+    kernel[grid](x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                 BLOCK_M=max(1, _next_pow2(rows)))
+    return y
+
+
+_GEMV_CHOICE: dict[tuple, bool] = {}  # (rows, N, K, dtype) -> the Triton kernel beat cuBLAS
+
+
+def _triton_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Time both on this shape once (weights streamed from memory, as in a decode step)."""
+    import triton
+
+    if torch.cuda.is_current_stream_capturing():
+        return False  # no timing inside a graph capture; the warm-up before it decided
+    t_triton = triton.testing.do_bench(lambda: gemv(x, weight), warmup=5, rep=20)
+    t_cublas = triton.testing.do_bench(lambda: F.linear(x, weight), warmup=5, rep=20)
+    log.debug("matrix-vector %sx%s rows=%d: triton %.1f us, cuBLAS %.1f us", weight.shape[0], weight.shape[1],
+              x.shape[0], 1e3 * t_triton, 1e3 * t_cublas)
+    return t_triton < 0.97 * t_cublas
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, or the Triton matrix-vector kernel for a few bias-free rows where it
+    measured faster than cuBLAS on this shape (decided on first use, per shape)."""
+    if (bias is None and x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1
+            and weight.is_contiguous()):
+        key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
+        use = _GEMV_CHOICE.get(key)
+        if use is None:
+            use = _GEMV_CHOICE[key] = _triton_gemv_is_faster(x, weight)
+        if use:
+            return gemv(x, weight)
+    return F.linear(x, weight, bias)
+
+
+# ---- self-test and timing --------------------------------------------------------------------
+
+def _reference_rms(x, w, eps):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _reference_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def check(device: torch.device, dtypes: list[torch.dtype]) -> float:
+    """Worst error / tolerance over all kernels and dtypes; prints one line per case."""
+    worst = 0.0
+
+    def report(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+        nonlocal worst
+        err = (got.float() - ref.float()).abs().max().item()
+        worst = max(worst, err / tol)
+        print(f"{name:48s} max abs err {err:.2e} (tol {tol:.0e}) {'ok' if err <= tol else 'FAIL'}")
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        tol = 2e-4 if dtype == torch.float32 else 3e-2
+        for rows, cols in ((1, 256), (5, 4096), (3, 1000)):
+            x = torch.randn(rows, cols, generator=gen).to(device, dtype)
+            r = torch.randn(rows, cols, generator=gen).to(device, dtype)
+            w = (1 + 0.1 * torch.randn(cols, generator=gen)).to(device, dtype)
+            report(f"{dtype} rms_norm {rows}x{cols}", add_rms_norm(x, w, 1e-5), _reference_rms(x, w, 1e-5), tol)
+            r2 = r.clone()
+            normed = add_rms_norm(x, w, 1e-5, residual=r2)
+            report(f"{dtype} add_rms_norm sum {rows}x{cols}", r2, r + x, tol)
+            report(f"{dtype} add_rms_norm norm {rows}x{cols}", normed, _reference_rms(r + x, w, 1e-5), tol)
+        for tokens, heads, kvh, dim in ((1, 4, 2, 64), (7, 32, 8, 128), (3, 32, 32, 128)):
+            block_size, blocks = 16, 8
+            qkv = torch.randn(tokens, (heads + 2 * kvh) * dim, generator=gen).to(device, dtype)
+            pos = torch.randint(0, 100, (tokens,), generator=gen).to(device)
+            inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+            freqs = torch.arange(128).float()[:, None] * inv[None]
+            emb = torch.cat((freqs, freqs), -1)
+            cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+            kc = torch.zeros(blocks, block_size, kvh, dim, dtype=dtype, device=device)
+            vc = torch.zeros_like(kc)
+            slots = torch.randperm(blocks * block_size, generator=gen)[:tokens].to(device)
+            ref = qkv.clone()
+            q, k, v = ref.split([heads * dim, kvh * dim, kvh * dim], dim=1)
+            q_ref = _reference_rope(q.view(tokens, heads, dim), cos[pos][:, None], sin[pos][:, None])
+            k_ref = _reference_rope(k.view(tokens, kvh, dim), cos[pos][:, None], sin[pos][:, None])
+            rope_write_kv(qkv, pos, cos, sin, kc, vc, slots, heads, kvh, dim)
+            name = f"{dtype} rope_write_kv T={tokens} H={heads} KVH={kvh} D={dim}"
+            report(name + " q", qkv[:, :heads * dim].view(tokens, heads, dim), q_ref, tol)
+            report(name + " k cache", kc.view(-1, kvh, dim)[slots], k_ref, tol)
+            report(name + " v cache", vc.view(-1, kvh, dim)[slots], v.view(tokens, kvh, dim), 1e-6)
+        for rows, inter in ((1, 512), (4, 11008), (9, 1000)):
+            gu = torch.randn(rows, 2 * inter, generator=gen).to(device, dtype)
+            g, u = gu.split(inter, dim=1)
+            report(f"{dtype} silu_mul {rows}x{inter}", silu_mul(gu), F.silu(g) * u, tol)
+        for rows, n, k in ((1, 64, 256), (3, 1000, 1100), (4, 4096, 4096), (1, 300, 11008)):
+            x = torch.randn(rows, k, generator=gen).to(device, dtype)
+            w = (torch.randn(n, k, generator=gen) * 0.02).to(device, dtype)
+            ref = (x.float() @ w.float().T)
+            gemv_tol = 1e-3 if dtype == torch.float32 else 2e-2
+            report(f"{dtype} gemv {rows}x{k} @ {n}x{k}", gemv(x, w), ref, gemv_tol)
+    return worst
+
+
+def bench(device: torch.device) -> None:
+    """Matrix-vector products of the LLaVA-7B decode shapes: Triton vs cuBLAS, bytes/s."""
+    import triton
+
+    shapes = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
+              "lm_head": (32064, 4096)}
+    print(f"{'shape':10s}{'rows':>5s}{'triton us':>11s}{'TB/s':>7s}{'cublas us':>11s}{'TB/s':>7s}  config")
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        for rows in (1, 2, 4, 8):
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            t_tri = triton.testing.do_bench(lambda x=x, w=w: gemv(x, w), warmup=10, rep=100)
+            t_cub = triton.testing.do_bench(lambda x=x, w=w: F.linear(x, w), warmup=10, rep=100)
+            gb = w.numel() * 2 / 1e12
+            best = getattr(_kernels()[3], "best_config", None)
+            print(f"{name:10s}{rows:5d}{1e3 * t_tri:11.1f}{gb / (t_tri / 1e3):7.2f}{1e3 * t_cub:11.1f}"
+                  f"{gb / (t_cub / 1e3):7.2f}  {best}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare with the torch ops")
+    parser.add_argument("--bench", action="store_true", help="time the matrix-vector kernel vs cuBLAS")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    status = 0
+    if args.check:
+        dtypes = [torch.float32] if device.type == "cpu" else [torch.float32, torch.bfloat16, torch.float16]
+        worst = check(device, dtypes)
+        print("PASS" if worst <= 1.0 else "FAIL", f"(worst error / tolerance = {worst:.3f})")
+        status = 0 if worst <= 1.0 else 1
+    if args.bench:
+        bench(device)
+    if not (args.check or args.bench):
+        parser.print_help()
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""Prefill attention over the paged KV cache as one Triton flash-attention kernel (CUDA).
+
+Every prefill chunk of a step goes in one launch: the queries of all chunks are one flat
+``[T, H, D]`` tensor, ``cu_q_lens`` says which rows belong to which chunk and ``q_starts``
+where each chunk sits in its sequence. The chunk's own K/V are already in the cache, so
+every key (the earlier context and the chunk itself) is read from the cache through the
+chunk's block table; nothing is gathered into a contiguous copy first.
+
+Grid ``(cdiv(max_q_len, BLOCK_M), H, S)``: one program per query tile of BLOCK_M rows, query
+head and chunk. It depends only on the step's shape, never on the data, so there is no
+Python loop per sequence and no re-planning per length (cuDNN SDPA builds a new plan for
+every new sequence length). Programs whose tile lies past their chunk's length return at
+once. A program walks key tiles of BLOCK_N tokens with an online softmax in fp32 (exp2,
+scale folded in), looking up each key token's block id in the block table. The key loop
+has two phases:
+
+- keys at or before the tile's first query position are visible to every row: no masks;
+- the last few key tiles, up to the tile's last query position: causal mask, and key
+  loads masked so that cache slots past the chunk (padding of the block table, slots not
+  yet written, which may hold NaN) are never read.
+
+Key tiles past the tile's causal bound are never visited, so a causal prefill costs about
+half a full one. Query tiles are launched last tile first: those see the most keys, and
+starting them first shortens the tail of the launch.
+
+GQA: query head ``h`` reads KV head ``h // (H // KVH)``. Programs of neighbouring query heads
+that share a KV head read the same K/V tiles, which mostly come from L2.
+
+triton is imported lazily: this module imports without it, and ``available()`` says whether
+the kernel can run. Check against the torch reference (``TRITON_INTERPRET=1`` runs the kernel
+in triton's CPU interpreter with ``--device cpu``) and time it:
+
+    python -m fovea.engine.paged.triton_prefill --check [--bench] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import sys
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+LOG2E = 1.4426950408889634
+
+
+class PrefillConfig(NamedTuple):
+    block_m: int  # query rows per program
+    block_n: int  # key tokens per inner-loop step
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the key loop's loads
+
+
+def available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def tile_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """Tiles for H100/H200 (no autotuning: triton's interpreter cannot run it, and a config
+    chosen by a function keeps the compiled variants few).
+
+    16-bit: BLOCK_M 128 x BLOCK_N 64 as in flash-attention 2's Hopper-era Triton kernels; with
+    D=128 that is Q 32 KiB + (K, V) 32 KiB per pipeline stage in shared memory, and an fp32
+    accumulator of 128x128 over 8 warps (64 registers a thread). D=64 needs only 4 warps.
+    D=256 halves both tiles to keep the accumulator and the stages within the register file and
+    the 227 KiB of shared memory. fp32 "ieee" dots run on FMA units with every operand in
+    registers: small tiles (sized by compiling for sm_90 until ptxas no longer spills), two
+    stages. (Register counts for sm_90, ptxas: 16-bit D=64 252, D=128 184, D=256 168; fp32
+    D=64 95, D=128 64, D=256 120.)
+    """
+    block_d = max(16, _next_pow2(head_dim))
+    if dtype == torch.float32:
+        return PrefillConfig(32, 32, 4, 2) if block_d <= 64 else PrefillConfig(32, 16, 8, 2)
+    if block_d <= 64:
+        return PrefillConfig(128, 64, 4, 3)
+    if block_d <= 128:
+        return PrefillConfig(128, 64, 8, 3)
+    return PrefillConfig(64, 32, 8, 2)
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def prefill_kernel(Q, K, V, O, CU, QS, BT, qk_scale,
+                       stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
+                       stride_bts,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)  # last (longest) tiles first
+        h = tl.program_id(1)
+        seq = tl.program_id(2)  # the chunk
+        q_lo = tl.load(CU + seq)
+        q_len = tl.load(CU + seq + 1) - q_lo
+        if tile * BLOCK_M >= q_len:  # past this chunk's end (the grid is sized by the longest)
+            return
+        start = tl.load(QS + seq)
+
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_ok = offs_m < q_len
+        d_ok = offs_d < HEAD_DIM
+        rows = (q_lo + offs_m).to(tl.int64)
+        q_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+        pos = start + offs_m  # each row's position in its sequence
+
+        # Keys [0, full_end): at or before the tile's first position, visible to every row.
+        # Keys [full_end, kv_end): up to the tile's last position, causally masked.
+        first_pos = start + tile * BLOCK_M
+        kv_end = start + tl.minimum((tile + 1) * BLOCK_M, q_len)
+        full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+
+        bt_row = BT + seq.to(tl.int64) * stride_bts
+        kvh = h // GROUP
+        K = K + kvh * stride_kh
+        V = V + kvh * stride_kh
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Two loops from one body: static_range unrolls, so `phase` is a compile-time constant
+        # and the unmasked loop (phase 0) carries no mask arithmetic.
+        for phase in tl.static_range(2):
+            if phase == 1:
+                lo, hi = full_end, kv_end
+            else:
+                lo, hi = 0, full_end
+            for n0 in range(lo, hi, BLOCK_N):
+                keys = n0 + offs_n
+                if phase == 1:  # keys past kv_end may lie past the table's written entries
+                    n_ok = keys < kv_end
+                    blk = tl.load(bt_row + keys // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+                    kv_ok = n_ok[:, None] & d_ok[None, :]
+                else:
+                    blk = tl.load(bt_row + keys // BLOCK_SIZE).to(tl.int64)
+                    kv_ok = d_ok[None, :]
+                # int64: a whole cache's element count exceeds 2**31 on a large GPU.
+                offs = (blk * stride_kb + (keys % BLOCK_SIZE) * stride_kt)[:, None] + offs_d[None, :]
+                k = tl.load(K + offs, mask=kv_ok, other=0.0)  # [BLOCK_N, BLOCK_D]
+                qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+                if phase == 1:
+                    qk = tl.where(keys[None, :] <= pos[:, None], qk, float("-inf"))
+                # Each row's first visited tile holds a visible key (key 0, or a fully visible
+                # tile), so m_new is finite and exp2(-inf - m_new) is 0, never NaN.
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(qk - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                # Masked keys load V as 0: slots past the chunk may hold NaN, and 0 * NaN is NaN.
+                v = tl.load(V + offs, mask=kv_ok, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=q_mask)
+
+    return prefill_kernel
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q_lens: torch.Tensor,
+                  q_starts: torch.Tensor, block_tables: torch.Tensor, scale: float, max_q_len: int,
+                  out: torch.Tensor | None = None, *, config: PrefillConfig | None = None) -> torch.Tensor:
+    """Causal attention of prefill chunks over the paged cache (their own K/V already in it).
+
+    q: [T, H, D] (any row/head strides, head_dim contiguous); caches [num_blocks, block_size, KVH, D]
+    with equal strides, head_dim contiguous; cu_q_lens [S+1] int32 (chunk s owns rows
+    cu_q_lens[s]:cu_q_lens[s+1]); q_starts [S] int32 (position of each chunk's first token);
+    block_tables [S, W] int32, covering positions < q_starts[s] + chunk length (entries past that
+    are never read); max_q_len >= every chunk's length (rows past it are silently left unwritten).
+    Returns ``out`` (allocated when None) [T, H, D] in q's dtype.
+    """
+    prefill_kernel = _kernels()
+    tokens, heads, dim = q.shape
+    _, block_size, kv_heads, kdim = k_cache.shape
+    if kdim != dim or heads % kv_heads or q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit the cache {tuple(k_cache.shape)} "
+                         f"{k_cache.dtype}")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("the K and V caches need equal strides and head_dim contiguous, as q")
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    if out is None:
+        out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError("out must be shaped as q, head_dim contiguous")
+    num_chunks = q_starts.shape[0]
+    if tokens == 0 or num_chunks == 0 or max_q_len <= 0:
+        return out
+    cfg = config or tile_config(dim, q.dtype)
+    grid = (-(-max_q_len // cfg.block_m), heads, num_chunks)
+    prefill_kernel[grid](
+        q, k_cache, v_cache, out, cu_q_lens, q_starts, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_D=max(16, _next_pow2(dim)), BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only matters for fp32 inputs
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def prefill_torch_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cu_q_lens: torch.Tensor, q_starts: torch.Tensor, block_tables: torch.Tensor,
+                            scale: float, max_q_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_prefill`` in plain torch, computed in fp32: per chunk, gather its K/V through the
+    block table and run SDPA with an explicit causal-with-prefix mask."""
+    tokens, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    if out is None:
+        out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
+    cu, starts = cu_q_lens.tolist(), q_starts.tolist()
+    for s, start in enumerate(starts):
+        lo, hi = cu[s], cu[s + 1]
+        n = hi - lo
+        if n == 0:
+            continue
+        if n > max_q_len:
+            raise ValueError(f"chunk {s} has {n} queries, more than max_q_len={max_q_len}")
+        total = start + n
+        ids = block_tables[s, :-(-total // block_size)].long()
+        k = k_cache[ids].flatten(0, 1)[:total].float().repeat_interleave(group, dim=1)  # [total, H, D]
+        v = v_cache[ids].flatten(0, 1)[:total].float().repeat_interleave(group, dim=1)
+        pos = torch.arange(start, total, device=q.device)
+        mask = torch.arange(total, device=q.device)[None, :] <= pos[:, None]  # [n, total]
+        o = F.scaled_dot_product_attention(q[lo:hi].float().transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask[None, None], scale=scale)
+        out[lo:hi] = o[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
+# ---- self-test ----------------------------------------------------------------------------
+def random_case(spans: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, block_size: int,
+                dtype: torch.dtype, device: torch.device, seed: int = 0, poison: bool = True):
+    """A random problem: chunk s sits at positions spans[s] = (start, length) of its own
+    sequence. Block tables are shuffled over the cache and padded (one spare column, padding
+    pointing at an unused block); the cache holds unit-variance random values, and with
+    ``poison`` every slot that no query may read (past each chunk's end, unused blocks) is
+    NaN, so any read past the causal bound shows in the output.
+
+    Returns (q, k_cache, v_cache, cu_q_lens, q_starts, block_tables, max_q_len)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    need = [-(-(start + n) // block_size) for start, n in spans]
+    width = max(need) + 1
+    num_blocks = sum(need) + 2
+    k_cache = torch.randn((num_blocks, block_size, kv_heads, dim), generator=gen)
+    v_cache = torch.randn((num_blocks, block_size, kv_heads, dim), generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen)
+    spare = int(perm[-1])
+    tables = torch.full((len(spans), width), spare, dtype=torch.int32)
+    readable = torch.zeros((num_blocks, block_size), dtype=torch.bool)
+    used = 0
+    for s, ((start, n), nb) in enumerate(zip(spans, need, strict=True)):
+        tables[s, :nb] = perm[used:used + nb].to(torch.int32)
+        used += nb
+        readable.view(-1)[(tables[s, :nb].long()[:, None] * block_size
+                           + torch.arange(block_size)).flatten()[:start + n]] = True
+    if poison and dtype.is_floating_point:
+        k_cache[~readable] = float("nan")
+        v_cache[~readable] = float("nan")
+    lens = torch.tensor([n for _, n in spans], dtype=torch.int32)
+    cu = torch.zeros(len(spans) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    q = torch.randn((int(cu[-1]), heads, dim), generator=gen)
+    starts = torch.tensor([start for start, _ in spans], dtype=torch.int32)
+    return (q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype), cu.to(device),
+            starts.to(device), tables.to(device), int(lens.max()))
+
+
+def random_spans(num: int, max_len: int, max_start: int, seed: int = 0) -> list[tuple[int, int]]:
+    """``num`` chunks of lengths 1..max_len (the first max_len, the last 1 when num > 2) at starts
+    0..max_start (the first at 0, the second past 0 when num > 1)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    lens = torch.randint(1, max_len + 1, (num,), generator=gen).tolist()
+    starts = torch.randint(0, max_start + 1, (num,), generator=gen).tolist()
+    lens[0], starts[0] = max_len, 0
+    if num > 1:
+        starts[1] = max(1, starts[1])
+    if num > 2:
+        lens[-1] = 1
+    return list(zip(starts, lens, strict=True))
+
+
+CPU_CASES = [  # heads, kv_heads, head_dim, block_size, spans (the interpreter is slow: small)
+    (4, 4, 64, 16, [(0, 1)]),
+    (8, 2, 64, 16, [(0, 37), (21, 1), (40, 70), (16, 16)]),
+    (4, 1, 128, 8, [(0, 20), (33, 9), (8, 1)]),
+    (6, 2, 48, 32, [(0, 40), (65, 30)]),
+]
+CUDA_CASES = CPU_CASES + [
+    (32, 32, 128, 16, [(0, 641), (0, 641), (0, 766)]),
+    (32, 32, 128, 16, [(1536, 512)]),
+    (32, 8, 128, 16, random_spans(9, 1500, 3000, seed=1)),
+    (16, 4, 64, 16, random_spans(24, 300, 2000, seed=2)),
+    (12, 4, 80, 8, random_spans(5, 200, 400, seed=3)),
+    (8, 8, 256, 32, random_spans(4, 300, 700, seed=4)),
+    (28, 4, 128, 16, [(0, 3000)]),
+]
+
+
+def check(device: torch.device | None = None, dtypes: list[torch.dtype] | None = None) -> float:
+    """Compare against the torch reference over a grid of cases; prints one line per case and
+    returns the worst error / tolerance (<= 1 passes)."""
+    device = device or torch.device("cuda")
+    if dtypes is None:  # triton's interpreter computes bf16 dots wrongly (triton 3.6): fp16 stands in
+        cpu = [torch.float32, torch.float16]
+        dtypes = cpu if device.type == "cpu" else [torch.float16, torch.bfloat16, torch.float32]
+    cases = CPU_CASES if device.type == "cpu" else CUDA_CASES
+    worst = 0.0
+    for dtype in dtypes:
+        for i, (h, kvh, d, bs, spans) in enumerate(cases):
+            q, kc, vc, cu, qs, bt, max_len = random_case(spans, h, kvh, d, bs, dtype, device, seed=i)
+            scale = d ** -0.5
+            got = paged_prefill(q, kc, vc, cu, qs, bt, scale, max_len).float()
+            ref = prefill_torch_reference(q.float(), kc.float(), vc.float(), cu, qs, bt, scale, max_len)
+            err = (got - ref).abs().max().item()  # NaN (a poisoned slot read) fails too
+            tol = 2e-4 if dtype == torch.float32 else 2e-2
+            ratio = float("inf") if math.isnan(err) else err / tol
+            worst = max(worst, ratio)
+            print(f"{dtype!s:15s} H={h:2d} KVH={kvh:2d} D={d:3d} bs={bs:2d} chunks={len(spans):2d} "
+                  f"tokens={int(cu[-1]):5d} max start={max(s for s, _ in spans):5d} "
+                  f"max abs err {err:.2e} (tol {tol:.0e}) {'ok' if ratio <= 1 else 'FAIL'}")
+    return worst
+
+
+BENCH_SHAPES = [  # name, spans; LLaVA-7B: 32 heads x 128, bf16
+    ("1 x 641 from 0", [(0, 641)]),
+    ("641+641+766 from 0", [(0, 641), (0, 641), (0, 766)]),
+    ("512 from 1536", [(1536, 512)]),
+]
+SWEEP = [PrefillConfig(*c) for c in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 8, 3), (128, 128, 8, 3),
+                                     (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 2),
+                                     (128, 64, 8, 4), (64, 128, 8, 3)]]
+
+
+def _visible_pairs(spans: list[tuple[int, int]]) -> int:
+    return sum(n * start + n * (n + 1) // 2 for start, n in spans)
+
+
+def _sdpa_path(q, kc, vc, cu, bt, spans, scale, out):
+    """The current path (``attention.prefill_attention``): a Python loop of SDPA per chunk, K/V
+    gathered from the cache for chunks past position 0."""
+    from fovea.engine.paged.attention import PrefillSpan, prefill_attention
+
+    block_size = kc.shape[1]
+    cu_l, bt_l = cu.tolist(), bt.long()
+    pieces = []
+    for s, (start, n) in enumerate(spans):
+        ids = bt_l[s, :-(-(start + n) // block_size)]
+        kv_rows = slice(start, start + n)
+        pieces.append((slice(cu_l[s], cu_l[s + 1]), kc[ids].flatten(0, 1)[kv_rows],
+                       vc[ids].flatten(0, 1)[kv_rows], PrefillSpan(cu_l[s], n, start, ids)))
+
+    def run():
+        for rows, k_new, v_new, span in pieces:
+            out[rows] = prefill_attention(q[rows], k_new, v_new, kc, vc, span, scale)
+    return run
+
+
+def bench(device: torch.device, sweep: bool = False) -> None:
+    """Time LLaVA-7B-shaped prefill attention (one layer: 32 heads x 128, bf16, block size 16)
+    against the current per-sequence SDPA path (whose cuDNN / flash plans are warm here, unlike
+    a server's ever-new lengths). TFLOP/s count 4 * D flops per causally visible (query, key)
+    pair and head. ``sweep`` also times the alternative tile configs in SWEEP."""
+    import triton
+    from triton.runtime.errors import OutOfResources
+
+    heads, dim, bs, dtype = 32, 128, 16, torch.bfloat16
+    scale = dim ** -0.5
+    default = tile_config(dim, dtype)
+    print(f"default config for D={dim} {dtype}: {default}")
+    print(f"{'shape':22s}{'config (M, N, warps, stages)':>30s}{'us':>9s}{'TFLOP/s':>9s}")
+    for name, spans in BENCH_SHAPES:
+        q, kc, vc, cu, qs, bt, max_len = random_case(spans, heads, heads, dim, bs, dtype, device, poison=False)
+        flops = 4 * _visible_pairs(spans) * dim * heads
+        out = torch.empty_like(q)
+        runs = [(str(tuple(cfg)), functools.partial(paged_prefill, q, kc, vc, cu, qs, bt, scale, max_len, out,
+                                                    config=cfg))
+                for cfg in ([default, *SWEEP] if sweep else [default])]
+        runs.append(("SDPA per chunk", _sdpa_path(q, kc, vc, cu, bt, spans, scale, out)))
+        for label, fn in runs:
+            try:
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+            except OutOfResources as exc:  # a sweep config past the shared memory
+                print(f"{name:22s}{label:>30s}  {exc}")
+                continue
+            print(f"{name:22s}{label:>30s}{1e3 * ms:9.1f}{flops / (ms / 1e3) / 1e12:9.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="compare with the torch reference")
+    parser.add_argument("--bench", action="store_true", help="time LLaVA-7B-shaped prefill attention")
+    parser.add_argument("--sweep", action="store_true", help="with --bench: time alternative tile configs")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.bench:
+        bench(device, sweep=args.sweep)
+        if not args.check:
+            return 0
+    if not args.check:
+        parser.print_help()
+        return 2
+    if device.type == "cuda" and not available():
+        print(f"FAIL: triton or CUDA missing (torch {torch.__version__}, cuda available: "
+              f"{torch.cuda.is_available()})")
+        return 1
+    worst = check(device)
+    print("PASS" if worst <= 1.0 else "FAIL", f"(worst error / tolerance = {worst:.3f})")
+    return 0 if worst <= 1.0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

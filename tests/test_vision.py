@@ -1,0 +1,37 @@
+"""fovea's vision stage against transformers' own image features."""
+
+import pytest
+import torch
+
+from fovea.model.vision import encode_images, tower_hidden_states
+
+
+@pytest.mark.parametrize("layer", [-1, -2, -4, 2, [-3, -1]])
+def test_image_embeddings_equal_transformers(demo_model, monkeypatch, layer):
+    """Whatever the feature layer, the early-stopping tower gives transformers' features
+    (the projector of a concatenated multi-layer feature needs a wider input, so a list is
+    checked on the hidden states only)."""
+    config = demo_model.model.config
+    monkeypatch.setattr(config, "vision_feature_layer", layer)
+    pixels = torch.randn(2, 3, 128, 128, generator=torch.Generator().manual_seed(1))
+    tower = demo_model.model.model.vision_tower
+    with torch.inference_mode():
+        ref_states = tower(pixels, output_hidden_states=True).hidden_states
+        wanted = [layer] if isinstance(layer, int) else layer
+        ours = tower_hidden_states(tower, pixels, layer)
+        for got, index in zip(ours, wanted):
+            assert torch.allclose(got, ref_states[index], atol=1e-5)
+        if isinstance(layer, int):
+            ref = demo_model.model.model.get_image_features(pixel_values=pixels, vision_feature_layer=layer,
+                                                            vision_feature_select_strategy="default")
+            ref = ref.pooler_output if hasattr(ref, "pooler_output") else ref
+            ref = torch.stack(list(ref)) if isinstance(ref, (list, tuple)) else ref
+            got = encode_images(demo_model, pixels)
+            assert got.shape == (2, 64, config.text_config.hidden_size)
+            assert torch.allclose(got, ref.view(got.shape), atol=1e-5)
+
+
+def test_a_feature_layer_outside_the_tower_is_refused(demo_model):
+    tower = demo_model.model.model.vision_tower
+    with pytest.raises(ValueError, match="outside"):
+        tower_hidden_states(tower, torch.zeros(1, 3, 128, 128), -9)
