@@ -186,11 +186,12 @@ async def run_requests(engine, prompts, max_tokens: int) -> list[dict]:
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-def make_engine(kind: str, loaded: LoadedModel, max_batch: int):
+def make_engine(kind: str, loaded: LoadedModel, max_batch: int, batched_tokens: int | None = None):
     if kind == "paged":
         from fovea.engine.paged import PagedEngine, PagedEngineConfig
 
-        return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=max_batch, max_queue=4096))
+        return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=max_batch, max_queue=4096,
+                                                     max_num_batched_tokens=batched_tokens))
     return Engine(loaded, EngineConfig(max_batch_size=max_batch, max_queue=4096))
 
 
@@ -212,6 +213,8 @@ def main() -> int:
     parser.add_argument("--engines", default="paged,simple", help="comma list of fovea engines to time")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--batched-tokens", type=int, default=None,
+                        help="the paged engine's max_num_batched_tokens (default: the engine's)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one request and a 32-request burst per engine (tables under --out)")
     args = parser.parse_args()
@@ -263,10 +266,19 @@ def main() -> int:
                          "floor_images_per_s": 32 / vis_floor}
     rows.append(("vision b32", "images/s", f"{32 / vis_s:.0f}", f"{32 / hf['vision_s']:.0f}",
                  f"{32 / vis_floor:.0f} (FLOPs)"))
+    from fovea.engine.vision_graphs import try_graphed_vision
+
+    graphed = try_graphed_vision(loaded, 32)
+    if graphed is not None:
+        vis_g = time_cuda(lambda: graphed(pixels), reps=5 if args.quick else 10)
+        results["vision"]["fovea_graphed_images_per_s"] = 32 / vis_g
+        rows.append(("vision b32 (graph)", "images/s", f"{32 / vis_g:.0f}", f"{32 / hf['vision_s']:.0f}",
+                     f"{32 / vis_floor:.0f} (FLOPs)"))
+        del graphed
     results["hf"] = hf
 
     for kind in args.engines.split(","):
-        engine = make_engine(kind, loaded, max_batch=256)
+        engine = make_engine(kind, loaded, max_batch=256, batched_tokens=args.batched_tokens)
         engine.start()
         try:
             run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, floor_step, floor_ttft,
@@ -308,6 +320,7 @@ def run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, f
     rows.append((f"{kind}: check", "logprob rel err / tokens", f"{rel:.1e}", f"{agree}/{len(ref_tokens)} equal", "< 1e-2"))
     # -- single request.
     singles = [asyncio.run(run_requests(engine, [make_prompt(loaded, 100 + i)], 128))[0] for i in range(reps + 1)][1:]
+    log_phases(engine, f"{kind} single ({reps + 1} requests)")
     step = statistics.median((s["stamps"][-1] - s["stamps"][0]) / (len(s["stamps"]) - 1) for s in singles)
     ttft = statistics.median(s["ttft"] for s in singles)
     out["single"] = {"step_ms": 1e3 * step, "ttft_ms": 1e3 * ttft, "floor_step_ms": 1e3 * floor_step,
@@ -321,6 +334,7 @@ def run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, f
     t = time.perf_counter()
     outs = asyncio.run(run_requests(engine, prompts, 128))
     wall = time.perf_counter() - t
+    log_phases(engine, f"{kind} throughput")
     tokens_out = sum(o["tokens"] for o in outs)
     n = len(prompts)
     out["throughput"] = {"requests": n, "tok_s": tokens_out / wall, "roofline_tok_s": n * 128 / bound_s,
@@ -328,6 +342,20 @@ def run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, f
     rows.append((f"{kind}: {n} requests", "output tok/s", f"{tokens_out / wall:.0f}",
                  f"{hf['batch_tok_s']:.0f} (b32)", f"{n * 128 / bound_s:.0f} (roofline)"))
     log(f"{kind} throughput: {out['throughput']}")
+
+
+def log_phases(engine, what: str) -> None:
+    """The paged engine's step phases since the last call (then reset): where wall time went."""
+    phases = getattr(engine, "phase_seconds", None)
+    if phases is None:
+        return
+    steps = max(1, engine.steps - getattr(engine, "_bench_steps", 0))
+    engine._bench_steps = engine.steps
+    total = sum(phases.values())
+    parts = ", ".join(f"{k} {v:.2f} s ({1e3 * v / steps:.2f} ms/step)" for k, v in phases.items())
+    log(f"{what}: {steps} steps, {total:.2f} s in steps: {parts}")
+    for key in phases:
+        phases[key] = 0.0
 
 
 def profile_engine(kind: str, engine, loaded, out: Path) -> None:

@@ -35,3 +35,36 @@ def test_a_feature_layer_outside_the_tower_is_refused(demo_model):
     tower = demo_model.model.model.vision_tower
     with pytest.raises(ValueError, match="outside"):
         tower_hidden_states(tower, torch.zeros(1, 3, 128, 128), -9)
+
+
+class FakeGraphs:
+    """Stands in for GraphedVision: runs batches of up to two images, records each call."""
+
+    def __init__(self, loaded):
+        self.loaded, self.calls = loaded, []
+
+    def can_run(self, pixels):
+        return pixels.shape[0] <= 2
+
+    def __call__(self, pixels):
+        self.calls.append(pixels.shape[0])
+        return encode_images(self.loaded, pixels)
+
+
+def test_the_image_encoder_uses_graphs_for_the_batches_they_hold(demo_model):
+    from fovea.engine.encoder_cache import EncoderCache
+    from fovea.engine.image_encoder import ImageEncoder
+    from fovea.model.prompt import EncodedPrompt
+
+    def prompt(seed):
+        pixels = torch.randn(1, 3, 128, 128, generator=torch.Generator().manual_seed(seed))
+        return EncodedPrompt([demo_model.image_token_id] * 64, pixels, 1, "", [f"h{seed}"], 64)
+
+    graphs = FakeGraphs(demo_model)
+    encoder = ImageEncoder(demo_model, EncoderCache(), batch_size=2, graphs=graphs)
+    rows = encoder.rows_for([prompt(s) for s in range(3)])  # batches of 2 and 1: both graphed
+    assert graphs.calls == [2, 1] and set(rows) == {"h0", "h1", "h2"}
+    assert torch.allclose(rows["h2"], encode_images(demo_model, prompt(2).pixel_values)[0], atol=1e-5)
+    wide = ImageEncoder(demo_model, EncoderCache(), batch_size=3, graphs=graphs)
+    wide.rows_for([prompt(s) for s in range(10, 13)])  # a batch of 3 is beyond the graphs: eager
+    assert graphs.calls == [2, 1]

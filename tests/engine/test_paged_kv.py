@@ -54,12 +54,23 @@ def test_the_profiling_step_runs_at_the_largest_size(demo_model):
     assert runner.kv_plan.num_blocks == 4 and runner.graphs is None
 
 
+def test_the_profiling_step_splits_a_budget_longer_than_one_sequence(demo_model):
+    """A step may hold more tokens than one sequence can: the profile covers all of them,
+    as several chunks no longer than max_model_len."""
+    config = PagedEngineConfig(num_blocks=4, max_num_batched_tokens=100, max_num_seqs=8, max_model_len=40)
+    runner = ModelRunner(demo_model, config.resolved(demo_model.device, demo_model.context_length), EncoderCache())
+    assert runner._dummy_spans() == [(0, 40), (40, 40), (80, 20)]
+    logits = runner.dummy_step(KVCache(runner.llama.kv_shape(16), 9, runner.device))
+    assert logits.shape == (8, demo_model.model.config.text_config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
 def test_config_defaults_depend_on_the_device():
     cpu = PagedEngineConfig().resolved(torch.device("cpu"), 4096)
     assert (cpu.max_num_batched_tokens, cpu.max_num_seqs, cpu.max_model_len) == (512, 16, 4096)
     assert not cpu.cuda_graphs and not cpu.triton_decode
     gpu = PagedEngineConfig().resolved(torch.device("cuda"), 4096)
-    assert (gpu.max_num_batched_tokens, gpu.max_num_seqs) == (2048, 256) and gpu.cuda_graphs and gpu.triton_decode
+    assert (gpu.max_num_batched_tokens, gpu.max_num_seqs) == (8192, 256) and gpu.cuda_graphs and gpu.triton_decode
     assert not PagedEngineConfig(cuda_graphs=False).resolved(torch.device("cuda"), 4096).cuda_graphs
     assert PagedEngineConfig(max_num_batched_tokens=8).resolved(torch.device("cpu"), 4096).max_num_seqs == 8
     assert PagedEngineConfig(max_model_len=9999).resolved(torch.device("cpu"), 4096).max_model_len == 4096

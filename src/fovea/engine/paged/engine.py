@@ -11,6 +11,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import torch
@@ -56,6 +57,9 @@ class PagedEngine:
         self._dead: BaseException | None = None  # set when the worker thread dies
         self.steps = 0
         self.running_batch = 0
+        # Wall seconds of the worker's step phases, summed (where a step's time goes: CPU
+        # scheduling, vision, launching the forward, waiting for the GPU, emitting tokens).
+        self.phase_seconds = dict.fromkeys(("schedule", "embed", "forward", "sample_wait", "emit"), 0.0)
 
     # ---- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -190,6 +194,7 @@ class PagedEngine:
 
     def step(self) -> None:
         """One scheduling step: at most one forward."""
+        phases, t0 = self.phase_seconds, time.perf_counter()
         for seq in self.scheduler.all_sequences():
             if seq.request.cancelled.is_set():
                 self._finish(seq, "cancelled")
@@ -199,12 +204,17 @@ class PagedEngine:
                                            code="context_length_exceeded", param="max_tokens"))
         if not plan.chunks:
             return
+        t1 = time.perf_counter()
         self._embed_admitted(plan)
+        t2 = time.perf_counter()
+        phases["schedule"] += t1 - t0
+        phases["embed"] += t2 - t1
         if not plan.chunks:
             return
         self.running_batch = len(plan.chunks)
         try:
             logits = self.runner.execute(plan)
+            t3 = time.perf_counter()
             sampling = [c.seq for c in plan.chunks if c.sample]
             tokens = sample_tokens(logits, sampling)
         except Exception as exc:
@@ -214,6 +224,7 @@ class PagedEngine:
             return
         finally:
             self.running_batch = 0
+        t4 = time.perf_counter()
         self.scheduler.on_computed(plan)
         self.steps += 1
         eos = self.loaded.eos_token_ids
@@ -223,6 +234,9 @@ class PagedEngine:
             reason = seq.append_token(token, eos)
             if reason is not None:
                 self._finish(seq, reason)
+        phases["forward"] += t3 - t2
+        phases["sample_wait"] += t4 - t3
+        phases["emit"] += time.perf_counter() - t4
 
     def _embed_admitted(self, plan: StepPlan) -> None:
         """Fill the prompt embeddings of sequences whose prefill (re)starts this step."""

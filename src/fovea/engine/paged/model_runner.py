@@ -27,6 +27,7 @@ from fovea.engine.paged.embeddings import PromptEmbedder
 from fovea.engine.paged.kv_cache import KVCache, KVPlan, KVShape, log_plan, plan_num_blocks
 from fovea.engine.paged.llama import PagedLlama
 from fovea.engine.paged.scheduler import Chunk, StepPlan
+from fovea.engine.vision_graphs import try_graphed_vision
 from fovea.model.loader import LoadedModel
 from fovea.model.vision import encode_images
 
@@ -82,6 +83,8 @@ class ModelRunner:
         self.cache = KVCache(shape, self.kv_plan.num_blocks, self.device)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graphs: GraphedDecode | None = None
+        if config.cuda_graphs and getattr(loaded.model.config.vision_config, "image_size", None):
+            self.embedder.images.graphs = try_graphed_vision(loaded, config.vision_batch_size)
         if config.cuda_graphs:
             if use_triton:
                 self.graphs = self.build_graphs()
@@ -114,8 +117,8 @@ class ModelRunner:
     def _profile_peak(self, shape: KVShape) -> int:
         """Peak activation bytes of the largest step (see ``dummy_step``), measured on CUDA."""
         device = self.device
-        tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
-        scratch = KVCache(shape, -(-tokens // self.block_size), device)  # not part of the peak
+        scratch = KVCache(shape, -(-self.config.max_num_batched_tokens // self.block_size) + len(
+            self._dummy_spans()), device)  # not part of the peak
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)
@@ -127,19 +130,32 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return max(0, peak)
 
+    def _dummy_spans(self) -> list[tuple[int, int]]:
+        """(offset, length) of the prefill chunks of the largest step: max_num_batched_tokens
+        in chunks of at most max_model_len (one sequence cannot be longer)."""
+        total, longest = self.config.max_num_batched_tokens, self.config.max_model_len
+        return [(lo, min(longest, total - lo)) for lo in range(0, total, longest)]
+
     @torch.inference_mode()
     def dummy_step(self, cache: KVCache) -> torch.Tensor:
-        """The largest step the scheduler can form: a prefill of max_num_batched_tokens with
-        logits for max_num_seqs rows, then one vision batch. Returns the logits."""
-        cfg, device = self.config, self.device
-        tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+        """The largest step the scheduler can form: prefill chunks of max_num_batched_tokens
+        tokens with logits for max_num_seqs rows, then one vision batch. Returns the logits."""
+        cfg, device, bs = self.config, self.device, self.block_size
+        spans, tables, slots, positions, next_block = [], [], [], [], 0
+        for offset, length in self._dummy_spans():
+            blocks = list(range(next_block, next_block + -(-length // bs)))
+            next_block += len(blocks)
+            spans.append(PrefillSpan(offset, length, 0, torch.tensor(blocks, device=device)))
+            tables.append(blocks)
+            slots.extend(range(blocks[0] * bs, blocks[0] * bs + length))
+            positions.extend(range(length))
+        tokens = len(slots)
         hidden = torch.zeros((tokens, self.llama.embed.shape[1]), dtype=self.llama.dtype, device=device)
-        span = PrefillSpan(0, tokens, 0, torch.arange(cache.num_blocks, device=device))
-        meta = AttnMeta(slot_mapping=torch.arange(tokens, device=device), prefills=[span])
+        meta = AttnMeta(slot_mapping=torch.tensor(slots, device=device), prefills=spans)
         if self.decode_attention.prefill is not None:
-            meta.prefill_batch = PrefillBatch.build([span], [list(range(cache.num_blocks))], device)
+            meta.prefill_batch = PrefillBatch.build(spans, tables, device)
         rows = torch.arange(max(0, tokens - cfg.max_num_seqs), tokens, device=device)
-        logits = self.llama.forward(hidden, torch.arange(tokens, device=device), meta, cache, rows).float()
+        logits = self.llama.forward(hidden, torch.tensor(positions, device=device), meta, cache, rows).float()
         del hidden
         vision = self.loaded.model.config.vision_config
         size = getattr(vision, "image_size", None)

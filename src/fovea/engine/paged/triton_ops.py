@@ -58,36 +58,39 @@ def _kernels():
 
     @triton.jit
     def rope_write_kv_kernel(QKV, POS, COS, SIN, KC, VC, SLOTS, stride_t, stride_pos,
-                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KV: tl.constexpr):
+        # One program per token, all its heads: q and k heads rotated as one [heads, D/2] tile
+        # pair (the cos/sin row is loaded once), v heads copied.
         t = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)  # q heads, then k heads, then v heads
         dt = QKV.dtype.element_ty
+        rows = tl.arange(0, BLOCK_R)  # q heads, then k heads
         offs = tl.arange(0, HALF)
-        base = QKV + t * stride_t + head * HEAD_DIM
-        x1 = tl.load(base + offs)
-        x2 = tl.load(base + HALF + offs)
+        row_ok = (rows < NUM_HEADS + NUM_KV_HEADS)[:, None]
+        base = QKV + t * stride_t + rows[:, None] * HEAD_DIM + offs[None, :]
+        x1 = tl.load(base, mask=row_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF, mask=row_ok, other=0.0).to(tl.float32)
+        pos = tl.load(POS + t).to(tl.int64)
+        c1 = tl.load(COS + pos * stride_pos + offs).to(tl.float32)[None, :]
+        c2 = tl.load(COS + pos * stride_pos + HALF + offs).to(tl.float32)[None, :]
+        s1 = tl.load(SIN + pos * stride_pos + offs).to(tl.float32)[None, :]
+        s2 = tl.load(SIN + pos * stride_pos + HALF + offs).to(tl.float32)[None, :]
+        # torch: (x * cos) + (rotate_half(x) * sin), each product rounded to the dtype.
+        y1 = ((x1 * c1).to(dt).to(tl.float32) + (-(x2 * s1)).to(dt).to(tl.float32)).to(dt)
+        y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        tl.store(base, y1, mask=row_ok)
+        tl.store(base + HALF, y2, mask=row_ok)
         slot = tl.load(SLOTS + t).to(tl.int64)
-        if head < NUM_HEADS + NUM_KV_HEADS:
-            pos = tl.load(POS + t).to(tl.int64)
-            c1 = tl.load(COS + pos * stride_pos + offs).to(tl.float32)
-            c2 = tl.load(COS + pos * stride_pos + HALF + offs).to(tl.float32)
-            s1 = tl.load(SIN + pos * stride_pos + offs).to(tl.float32)
-            s2 = tl.load(SIN + pos * stride_pos + HALF + offs).to(tl.float32)
-            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            # torch: (x * cos) + (rotate_half(x) * sin), each product rounded to the dtype.
-            y1 = ((f1 * c1).to(dt).to(tl.float32) + (-(f2 * s1)).to(dt).to(tl.float32)).to(dt)
-            y2 = ((f2 * c2).to(dt).to(tl.float32) + (f1 * s2).to(dt).to(tl.float32)).to(dt)
-            tl.store(base + offs, y1)
-            tl.store(base + HALF + offs, y2)
-            if head >= NUM_HEADS:
-                dst = KC + (slot * NUM_KV_HEADS + head - NUM_HEADS) * HEAD_DIM
-                tl.store(dst + offs, y1)
-                tl.store(dst + HALF + offs, y2)
-        else:
-            dst = VC + (slot * NUM_KV_HEADS + head - NUM_HEADS - NUM_KV_HEADS) * HEAD_DIM
-            tl.store(dst + offs, x1)
-            tl.store(dst + HALF + offs, x2)
+        is_k = (rows >= NUM_HEADS)[:, None] & row_ok
+        dst = KC + (slot * NUM_KV_HEADS + rows[:, None] - NUM_HEADS) * HEAD_DIM + offs[None, :]
+        tl.store(dst, y1, mask=is_k)
+        tl.store(dst + HALF, y2, mask=is_k)
+        kv = tl.arange(0, BLOCK_KV)
+        dims = tl.arange(0, 2 * HALF)
+        kv_ok = (kv < NUM_KV_HEADS)[:, None]
+        v = tl.load(QKV + t * stride_t + (NUM_HEADS + NUM_KV_HEADS + kv[:, None]) * HEAD_DIM + dims[None, :],
+                    mask=kv_ok, other=0.0)
+        tl.store(VC + (slot * NUM_KV_HEADS + kv[:, None]) * HEAD_DIM + dims[None, :], v, mask=kv_ok)
 
     @triton.jit
     def silu_mul_kernel(GU, OUT, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
@@ -165,9 +168,11 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     tokens = qkv.shape[0]
     if tokens == 0:
         return
-    kernel[(tokens, num_heads + 2 * num_kv_heads)](
+    kernel[(tokens,)](
         qkv, positions, cos, sin, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2, num_warps=1)
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
+        BLOCK_R=_next_pow2(num_heads + num_kv_heads), BLOCK_KV=_next_pow2(num_kv_heads),
+        num_warps=4 if (num_heads + num_kv_heads) * head_dim >= 4096 else 2)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
