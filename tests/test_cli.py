@@ -2,6 +2,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from fovea.demo import scenes
 
 
@@ -43,3 +45,15 @@ def test_doctor_fails_on_a_directory_that_is_not_a_model(tmp_path):
     result = run_cli("doctor", "--model", str(tmp_path))
     assert result.returncode == 1
     assert "[fail] model.directory" in result.stdout and "config.json is missing" in result.stdout
+
+
+def test_max_batched_tokens_reaches_the_paged_engine(demo_model):
+    from fovea.config import ServerSettings
+    from fovea.serve.app import create_app
+
+    settings = ServerSettings(host="127.0.0.1", port=1, device="cpu", dtype="float32", canary=False,
+                              max_batched_tokens=96)
+    app = create_app(settings, loaded=demo_model)
+    assert app.state.fovea.engine.config.max_num_batched_tokens == 96
+    with pytest.raises(ValueError, match="--max-batched-tokens"):
+        ServerSettings(max_batched_tokens=0)

@@ -19,6 +19,9 @@ class ServerSettings:
     served_model_name: str | None = None
     engine: str = "paged"  # "paged": continuous batching over a paged KV cache; "simple": static batches
     max_batch_size: int = 16  # sequences decoded together
+    # Tokens one paged-engine step may compute (prefill chunks + decodes); None: the engine's
+    # default (8192 on CUDA, 512 on CPU). Larger: faster bursts, longer gaps between tokens.
+    max_batched_tokens: int | None = None
     max_queue: int = 256
     limit_images_per_prompt: int = 4
     max_body_bytes: int = 32 * 1024 * 1024
@@ -39,6 +42,8 @@ class ServerSettings:
             raise ValueError("--max-batch-size must be at least 1")
         if self.max_queue < 1:
             raise ValueError("--max-queue must be at least 1")
+        if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
+            raise ValueError("--max-batched-tokens must be at least 1")
         if self.limit_images_per_prompt < 0:
             raise ValueError("--limit-images-per-prompt must be 0 or more")
         if self.max_body_bytes < 1024:

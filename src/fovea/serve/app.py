@@ -46,7 +46,9 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     on_vision = lambda s: metrics.vision_latency.observe(1000 * s)  # noqa: E731
     if settings.engine == "paged":
         engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
-                                                       max_queue=settings.max_queue), on_vision_seconds=on_vision)
+                                                       max_queue=settings.max_queue,
+                                                       max_num_batched_tokens=settings.max_batched_tokens),
+                             on_vision_seconds=on_vision)
     else:
         engine = Engine(loaded, EngineConfig(settings.max_batch_size, settings.max_queue), on_vision_seconds=on_vision)
     state = ServerState.build(settings, loaded, engine, contract, metrics)
