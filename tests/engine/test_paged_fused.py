@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from fovea.engine.paged.attention import AttnMeta, DecodeAttention, PrefillSpan
+from fovea.engine.paged.attention import AttnMeta, DecodeAttention, PrefillBatch, PrefillSpan
 from fovea.engine.paged.kv_cache import KVCache
 from fovea.engine.paged.llama import PagedLlama, fuse_rows
 
@@ -53,6 +53,8 @@ def _prefill_then_decode(llama: PagedLlama, prompts: list[list[int]], next_ids: 
         last_rows.append(offset - 1)
     flat = torch.tensor([t for ids in prompts for t in ids])
     meta = AttnMeta(slot_mapping=torch.tensor(slots), prefills=spans)
+    if llama.decode.prefill is not None:  # the Triton path: every span in one kernel launch
+        meta.prefill_batch = PrefillBatch.build(spans, tables, torch.device("cpu"))
     with torch.inference_mode():
         first = llama.forward(llama.embed_ids(flat), torch.tensor(positions), meta, cache,
                               torch.tensor(last_rows)).float()
@@ -66,9 +68,12 @@ def _prefill_then_decode(llama: PagedLlama, prompts: list[list[int]], next_ids: 
 
 
 @needs_triton
-def test_fused_forward_matches_the_torch_forward(demo_model):
+@pytest.mark.parametrize("triton_attention", [False, True], ids=["torch-attention", "triton-attention"])
+def test_fused_forward_matches_the_torch_forward(demo_model, triton_attention):
+    """The CUDA configuration (fused weights and kernels, Triton decode and prefill
+    attention) against the CPU one (transformers' ops, torch attention)."""
     reference = PagedLlama(copy.deepcopy(demo_model.model), 256, DecodeAttention(False))
-    fused = PagedLlama(copy.deepcopy(demo_model.model), 256, DecodeAttention(False), fused=True)
+    fused = PagedLlama(copy.deepcopy(demo_model.model), 256, DecodeAttention(triton_attention), fused=True)
     assert fused.layers[0].qkv is not None and fused.layers[0].gate_up is not None
     gen = torch.Generator().manual_seed(3)
     vocab = reference.embed.shape[0]
@@ -80,3 +85,11 @@ def test_fused_forward_matches_the_torch_forward(demo_model):
     for layer in range(len(reference.layers)):
         assert (got_cache.k[layer] - ref_cache.k[layer]).abs().max().item() < 1e-5
         assert torch.equal(got_cache.v[layer] != 0, ref_cache.v[layer] != 0)  # the same slots written
+
+
+def test_prefill_batch_lays_out_spans_for_one_launch():
+    spans = [PrefillSpan(0, 5, 0, torch.tensor([3])), PrefillSpan(5, 20, 16, torch.tensor([7, 2, 9]))]
+    batch = PrefillBatch.build(spans, [[3], [7, 2, 9]], torch.device("cpu"))
+    assert batch.cu_q_lens.tolist() == [0, 5, 25] and batch.q_starts.tolist() == [0, 16]
+    assert batch.block_tables.tolist() == [[3, 3, 3], [7, 2, 9]]  # padded with a block it owns
+    assert batch.block_tables.dtype == torch.int32 and batch.max_q_len == 20
