@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.paged import triton_decode
+from fovea.engine.paged import triton_decode, triton_util
 from fovea.engine.paged.attention import (
     AttnMeta,
     DecodeAttention,
@@ -62,7 +62,7 @@ class ModelRunner:
         self.config = config
         self.device = loaded.device
         self.block_size = config.block_size
-        use_triton = bool(config.triton_decode) and triton_decode.available()
+        use_triton = bool(config.triton_decode) and triton_util.available()
         if use_triton:
             problem = triton_self_check(self.device, loaded.dtype)
             if problem:

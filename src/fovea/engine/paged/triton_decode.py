@@ -16,7 +16,7 @@ small batches split each sequence into up to MAX_PARTS partitions (latency), lar
 batches run one pass per (sequence, kv head) with no merge (bandwidth).
 
 triton is imported lazily: this module imports on machines without it, and
-``available()`` says whether the kernel can run. Check it against the torch reference:
+``triton_util.available()`` says whether the kernel can run. Check it against the torch reference:
 
     python -m fovea.engine.paged.triton_decode --check
 """
@@ -32,26 +32,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fovea.engine.paged.triton_util import next_pow2, run_check
+
 PARTITION_TOKENS = 512  # kept for callers that pass it explicitly; the default is automatic
 TILE_TOKENS = 64  # context tokens per loop iteration (4 blocks of 16)
 PROGRAMS_PER_SM = 16  # split sequences until batch * kv_heads * parts reaches this many per SM
 MAX_PARTS = 16  # at most this many partitions per sequence
 DEFAULT_SMS = 132  # H100/H200; used where no CUDA device can be asked
 LOG2E = 1.4426950408889634
-
-
-def available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -97,7 +85,7 @@ def choose_config(batch: int, kv_heads: int, width: int, block_size: int, sms: i
     table_tokens = max(1, width) * block_size
     if partition_tokens is not None:
         part = max(1, int(partition_tokens))
-        tile = min(TILE_TOKENS, max(16, _next_pow2(part)))
+        tile = min(TILE_TOKENS, max(16, next_pow2(part)))
         parts = max(1, -(-table_tokens // part))
         return DecodeConfig(num_parts=parts, part_tokens=0 if parts == 1 else part, tile=tile,
                             num_stages=3 if parts == 1 else 2)
@@ -247,8 +235,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         acc = work[:n * dim].view(batch, heads, parts, dim)
         ml = work[n * dim:].view(batch, heads, parts, 2)
         a_strides, m_strides = acc.stride()[:3], ml.stride()[:3]
-    block_d = max(16, _next_pow2(dim))
-    block_g = max(16, _next_pow2(group))  # tl.dot needs every dimension >= 16
+    block_d = max(16, next_pow2(dim))
+    block_g = max(16, next_pow2(group))  # tl.dot needs every dimension >= 16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only matters for fp32 inputs
     partial_kernel[(batch, kv_heads, parts)](
         q, k_cache, v_cache, block_tables, context_lens, out, acc, ml, scale * LOG2E, config.part_tokens,
@@ -261,7 +249,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if not single:
         merge_kernel[(batch, heads)](
             acc, ml, context_lens, out, config.part_tokens, parts, *a_strides, *m_strides,
-            out.stride(0), out.stride(1), TILE=config.tile, BLOCK_P=_next_pow2(parts),
+            out.stride(0), out.stride(1), TILE=config.tile, BLOCK_P=next_pow2(parts),
             HEAD_DIM=dim, BLOCK_D=block_d, num_warps=2)
     return out
 
@@ -465,13 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     device = torch.device(args.device)
-    if device.type == "cuda" and not available():
-        print(f"FAIL: triton or CUDA missing (torch {torch.__version__}, cuda available: "
-              f"{torch.cuda.is_available()})")
-        return 1
-    worst = check(device)
-    print("PASS" if worst <= 1.0 else "FAIL", f"(worst error / tolerance = {worst:.3f})")
-    return 0 if worst <= 1.0 else 1
+    return run_check(device, check)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.paged.triton_decode import _next_pow2
+from fovea.engine.paged.triton_util import next_pow2, run_check
 
 log = logging.getLogger("fovea.engine.paged")
 
@@ -155,7 +155,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     out = torch.empty_like(x) if out is None else out
     r = residual if residual is not None else x
     kernel[(rows,)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), cols, eps,
-                    HAS_RESIDUAL=residual is not None, BLOCK=_next_pow2(cols), num_warps=8 if cols >= 4096 else 4)
+                    HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(cols), num_warps=8 if cols >= 4096 else 4)
     return out
 
 
@@ -171,7 +171,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     kernel[(tokens,)](
         qkv, positions, cos, sin, k_cache, v_cache, slots, qkv.stride(0), cos.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
-        BLOCK_R=_next_pow2(num_heads + num_kv_heads), BLOCK_KV=_next_pow2(num_kv_heads),
+        BLOCK_R=next_pow2(num_heads + num_kv_heads), BLOCK_KV=next_pow2(num_kv_heads),
         num_warps=4 if (num_heads + num_kv_heads) * head_dim >= 4096 else 2)
 
 
@@ -195,7 +195,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     grid = lambda meta: (-(-n // meta["BLOCK_N"]),)
     kernel[grid](x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                 BLOCK_M=max(1, _next_pow2(rows)))
+                 BLOCK_M=max(1, next_pow2(rows)))
     return y
 
 
@@ -325,9 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     if args.check:
         dtypes = [torch.float32] if device.type == "cpu" else [torch.float32, torch.bfloat16, torch.float16]
-        worst = check(device, dtypes)
-        print("PASS" if worst <= 1.0 else "FAIL", f"(worst error / tolerance = {worst:.3f})")
-        status = 0 if worst <= 1.0 else 1
+        status = run_check(device, lambda d: check(d, dtypes))
     if args.bench:
         bench(device)
     if not (args.check or args.bench):

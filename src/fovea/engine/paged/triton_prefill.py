@@ -26,7 +26,7 @@ starting them first shortens the tail of the launch.
 GQA: query head ``h`` reads KV head ``h // (H // KVH)``. Programs of neighbouring query heads
 that share a KV head read the same K/V tiles, which mostly come from L2.
 
-triton is imported lazily: this module imports without it, and ``available()`` says whether
+triton is imported lazily: this module imports without it, and ``triton_util.available()`` says whether
 the kernel can run. Check against the torch reference (``TRITON_INTERPRET=1`` runs the kernel
 in triton's CPU interpreter with ``--device cpu``) and time it:
 
@@ -44,6 +44,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fovea.engine.paged.triton_util import next_pow2, run_check
+
 LOG2E = 1.4426950408889634
 
 
@@ -52,20 +54,6 @@ class PrefillConfig(NamedTuple):
     block_n: int  # key tokens per inner-loop step
     num_warps: int
     num_stages: int  # software-pipelining depth of the key loop's loads
-
-
-def available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def tile_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
@@ -81,7 +69,7 @@ def tile_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     stages. (Register counts for sm_90, ptxas: 16-bit D=64 252, D=128 184, D=256 168; fp32
     D=64 95, D=128 64, D=256 120.)
     """
-    block_d = max(16, _next_pow2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     if dtype == torch.float32:
         return PrefillConfig(32, 32, 4, 2) if block_d <= 64 else PrefillConfig(32, 16, 8, 2)
     if block_d <= 64:
@@ -209,7 +197,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, out, cu_q_lens, q_starts, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_D=max(16, _next_pow2(dim)), BLOCK_SIZE=block_size,
+        GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_D=max(16, next_pow2(dim)), BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only matters for fp32 inputs
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -419,13 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         parser.print_help()
         return 2
-    if device.type == "cuda" and not available():
-        print(f"FAIL: triton or CUDA missing (torch {torch.__version__}, cuda available: "
-              f"{torch.cuda.is_available()})")
-        return 1
-    worst = check(device)
-    print("PASS" if worst <= 1.0 else "FAIL", f"(worst error / tolerance = {worst:.3f})")
-    return 0 if worst <= 1.0 else 1
+    return run_check(device, check)
 
 
 if __name__ == "__main__":
