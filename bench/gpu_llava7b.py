@@ -213,6 +213,7 @@ def main() -> int:
     parser.add_argument("--engines", default="paged,simple", help="comma list of fovea engines to time")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines (reported as nan)")
     parser.add_argument("--throughput-runs", type=int, default=1,
                         help="time the request burst this many times and report the median")
     parser.add_argument("--batched-tokens", type=int, default=None,
@@ -238,18 +239,20 @@ def main() -> int:
     n = 32 if args.quick else args.requests
     p = make_prompt(loaded, 7)
     n_prompt = len(p.input_ids)
-    # -- transformers baselines, once.
-    hf = {}
-    hf["ttft"] = statistics.median(hf_generate(loaded, [p], 1) for _ in range(3))
-    hf_129 = statistics.median(hf_generate(loaded, [p], 129) for _ in range(2))
-    hf["step"] = (hf_129 - hf["ttft"]) / 128
+    # -- transformers baselines, once (NaN with --skip-hf, for a quick re-measure of fovea alone).
+    nan = float("nan")
+    hf = {"ttft": nan, "step": nan, "vision_s": nan, "batch_tok_s": nan}
     pixels = torch.randn(32, 3, 336, 336, device=device, dtype=torch.bfloat16)
-    with torch.inference_mode():
-        hf["vision_s"] = time_cuda(lambda: loaded.model.get_image_features(
-            pixel_values=pixels, vision_feature_layer=-2, vision_feature_select_strategy="default"), reps=5)
     prompts = [make_prompt(loaded, 1000 + i) for i in range(n)]
-    hf_b = min(32, n)
-    hf["batch_tok_s"] = hf_b * 128 / hf_generate(loaded, prompts[:hf_b], 128)
+    if not args.skip_hf:
+        hf["ttft"] = statistics.median(hf_generate(loaded, [p], 1) for _ in range(3))
+        hf_129 = statistics.median(hf_generate(loaded, [p], 129) for _ in range(2))
+        hf["step"] = (hf_129 - hf["ttft"]) / 128
+        with torch.inference_mode():
+            hf["vision_s"] = time_cuda(lambda: loaded.model.get_image_features(
+                pixel_values=pixels, vision_feature_layer=-2, vision_feature_select_strategy="default"), reps=5)
+        hf_b = min(32, n)
+        hf["batch_tok_s"] = hf_b * 128 / hf_generate(loaded, prompts[:hf_b], 128)
     log(f"transformers: {hf}")
 
     floor_step = lm_bytes / c["copy_bandwidth_Bps"]
