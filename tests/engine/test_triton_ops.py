@@ -72,3 +72,14 @@ def test_silu_mul_and_gemv_match_torch():
     for rows, n, k in ((1, 40, 96), (3, 70, 300)):
         x, w = rand(rows, k, seed=6), rand(n, k, seed=7, scale=0.05)
         assert torch.allclose(gemv(x, w), x @ w.T, atol=1e-4)
+
+
+@needs_triton
+def test_the_startup_check_passes_and_names_a_broken_kernel(monkeypatch):
+    """An engine runs this before trusting the kernels; a wrong kernel sends it to the torch path."""
+    from fovea.engine.paged import triton_ops
+    from fovea.engine.paged.model_runner import triton_self_check
+
+    assert triton_self_check(DEVICE, torch.float32) is None
+    monkeypatch.setattr(triton_ops, "silu_mul", lambda gate_up: torch.zeros_like(gate_up[:, : gate_up.shape[1] // 2]))
+    assert "silu_mul" in triton_self_check(DEVICE, torch.float32)

@@ -10,7 +10,7 @@ Two executions of the same weights:
 - the fused path (CUDA with triton): q/k/v and gate/up each one matrix product (the HF
   modules' weights become views into one fused tensor, so memory is not doubled), and the
   Triton kernels of ``triton_ops`` for residual add + RMSNorm, rotary + KV write and
-  SiLU * up. A decode layer is then 8 launches instead of about 35.
+  SiLU * up. A decode layer is then about 10 launches instead of about 35.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.paged import triton_decode, triton_util
+from fovea.engine.paged import triton_decode, triton_ops, triton_prefill, triton_util
 from fovea.engine.paged.attention import (
     AttnMeta,
     DecodeAttention,
@@ -35,16 +35,25 @@ log = logging.getLogger("fovea.engine.paged")
 
 
 def triton_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Run the Triton kernel once against the torch reference; None if it agrees, else why not."""
+    """Run each Triton kernel once on a small case against torch: None if all agree, else
+    what did not (the engine then runs the torch path: slower, never wrong)."""
     try:
         q, kc, vc, bt, cl = triton_decode.random_case(3, 8, 2, 64, 16, 700, dtype, device)
         got = triton_decode.paged_decode(q, kc, vc, bt, cl, 0.125).float()
         ref = paged_decode_torch(q.float(), kc.float(), vc.float(), bt, cl, 0.125)
-        err = (got - ref).abs().max().item()
+        decode_err = (got - ref).abs().max().item()
+        case = triton_prefill.random_case([(0, 40), (33, 20)], 8, 2, 64, 16, dtype, device)
+        got = triton_prefill.paged_prefill(*case[:6], 0.125, case[6]).float()
+        ref = triton_prefill.prefill_torch_reference(*case[:6], 0.125, case[6]).float()
+        prefill_err = (got - ref).abs().max().item()
+        fused_problem = triton_ops.startup_problem(device, dtype)
     except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
         return f"{type(exc).__name__}: {exc}"
     tol = 2e-4 if dtype == torch.float32 else 2e-2
-    return None if err <= tol else f"max error {err:.2e} > {tol:.0e}"
+    for name, err in (("paged decode", decode_err), ("paged prefill", prefill_err)):
+        if not err <= tol:  # NaN fails too
+            return f"{name}: max error {err:.2e} > {tol:.0e}"
+    return fused_problem
 
 
 def decode_forward(llama: PagedLlama, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,
@@ -66,7 +75,7 @@ class ModelRunner:
         if use_triton:
             problem = triton_self_check(self.device, loaded.dtype)
             if problem:
-                log.warning("Triton paged decode disabled, using the torch path: %s", problem)
+                log.warning("Triton kernels disabled, using the torch path: %s", problem)
                 use_triton = False
         elif config.triton_decode:
             log.warning("triton is not importable: paged decode uses the torch path")

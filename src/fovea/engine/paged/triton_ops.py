@@ -296,6 +296,40 @@ def check(device: torch.device, dtypes: list[torch.dtype]) -> float:
     return worst
 
 
+def startup_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """One small case per kernel against torch, run when an engine starts: None if all
+    agree, else what disagreed (the engine then runs the torch path instead)."""
+    gen = torch.Generator().manual_seed(0)
+    tol = 2e-4 if dtype == torch.float32 else 3e-2
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
+
+    x, res, w = r(2, 256), r(2, 256), 1 + r(256, scale=0.1)
+    summed = res + x
+    errors = {"add_rms_norm": (add_rms_norm(x, w, 1e-5, residual=res), _reference_rms(summed, w, 1e-5))}
+    qkv = r(3, 8 * 64)  # 4 query heads, 2 kv heads, head_dim 64
+    before = qkv.clone()
+    pos = torch.tensor([0, 5, 9], device=device)
+    emb = torch.arange(16).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))[None]
+    cos, sin = torch.cat([emb, emb], -1).cos().to(device, dtype), torch.cat([emb, emb], -1).sin().to(device, dtype)
+    kc, vc = torch.zeros(2, 16, 2, 64, device=device, dtype=dtype), torch.zeros(2, 16, 2, 64, device=device, dtype=dtype)
+    slots = torch.tensor([3, 17, 30], device=device)
+    rope_write_kv(qkv, pos, cos, sin, kc, vc, slots, 4, 2, 64)
+    q_ref = _reference_rope(before[:, :256].view(3, 4, 64), cos[pos][:, None], sin[pos][:, None])
+    errors["rope_write_kv"] = (qkv[:, :256].view(3, 4, 64), q_ref)
+    errors["kv write"] = (vc.view(-1, 2, 64)[slots], before[:, 384:].view(3, 2, 64))
+    gu = r(2, 256)
+    errors["silu_mul"] = (silu_mul(gu), F.silu(gu[:, :128]) * gu[:, 128:])
+    a, b = r(2, 256), r(64, 256, scale=0.05)
+    errors["gemv"] = (gemv(a, b), a.float() @ b.float().T)
+    for name, (got, ref) in errors.items():
+        err = (got.float() - ref.float()).abs().max().item()
+        if not err <= tol:  # NaN fails too
+            return f"{name}: max error {err:.2e} > {tol:.0e}"
+    return None
+
+
 def bench(device: torch.device) -> None:
     """Matrix-vector products of the LLaVA-7B decode shapes: Triton vs cuBLAS, bytes/s."""
     import triton
