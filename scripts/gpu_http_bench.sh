@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On a lent H200: what HTTP costs on the GPU. Serves the demo model with `fovea serve` on
+# CUDA and loads it with bench/http_load.py (single requests, then concurrent clients),
+# beside the offline engine's own figures from the same script's single phase.
+#
+# The GPU machine has no fastapi/uvicorn/pydantic: carry them as wheels (git-ignored .whl/).
+# Fetch them here first (Python 3.12 wheels, the versions this checkout was tested with):
+#   for p in fastapi starlette pydantic pydantic-core typing-inspection annotated-types \
+#            uvicorn python-multipart typing-extensions; do
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl "$p==$(pip show $p | awk '/^Version/{print $2}')"
+#   done
+# Then (device tool): run with carry [".whl"]:  bash scripts/gpu_http_bench.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/fovea-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
+for engine in paged simple; do
+  echo "== HTTP, demo model on cuda, $engine engine"
+  timeout 240 python3 bench/http_load.py --device cuda --engine "$engine" --max-batch-size 64 \
+    --single 40 --concurrency 16 --requests 192 --json "$OUT/http_$engine.json" 2>&1 | tee "$OUT/http_$engine.log"
+done
