@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent H200: what HTTP costs on the GPU. Serves the demo model with `fovea serve` on
-# CUDA and loads it with bench/http_load.py (single requests, then concurrent clients),
-# beside the offline engine's own figures from the same script's single phase.
+# CUDA and loads it with bench/http_load.py (single requests, then concurrent clients).
+# Not yet run: written when this session's device time was spent.
 #
 # The GPU machine has no fastapi/uvicorn/pydantic: carry them as wheels (git-ignored .whl/).
 # Fetch them here first (Python 3.12 wheels, the versions this checkout was tested with):
