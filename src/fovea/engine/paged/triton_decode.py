@@ -23,7 +23,6 @@ triton is imported lazily: this module imports on machines without it, and
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import math
@@ -32,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fovea.engine.paged.triton_util import next_pow2, run_check
+from fovea.engine.paged.triton_util import kernel_main, next_pow2
 
 PARTITION_TOKENS = 512  # kept for callers that pass it explicitly; the default is automatic
 TILE_TOKENS = 64  # context tokens per loop iteration (4 blocks of 16)
@@ -436,24 +435,9 @@ def sweep(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare with the torch reference")
-    parser.add_argument("--bench", action="store_true", help="time LLaVA-7B-shaped decode attention")
-    parser.add_argument("--sweep", action="store_true", help="time variations of the launch config (slow)")
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args(argv)
-    if args.bench or args.sweep:
-        if args.bench:
-            bench(torch.device(args.device))
-        if args.sweep:
-            sweep(torch.device(args.device))
-        if not args.check:
-            return 0
-    if not args.check:
-        parser.print_help()
-        return 2
-    device = torch.device(args.device)
-    return run_check(device, check)
+    return kernel_main(argv, __doc__.split("\n")[0], check, {
+        "bench": ("time LLaVA-7B-shaped decode attention", bench),
+        "sweep": ("time variations of the launch config (slow)", sweep)})
 
 
 if __name__ == "__main__":

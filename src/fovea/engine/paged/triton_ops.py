@@ -18,7 +18,6 @@ triton is imported lazily, as in ``triton_decode``. Check against the torch ops 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
 import os
@@ -27,7 +26,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.paged.triton_util import next_pow2, run_check
+from fovea.engine.paged.triton_util import kernel_main, next_pow2
 
 log = logging.getLogger("fovea.engine.paged")
 
@@ -350,22 +349,12 @@ def bench(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare with the torch ops")
-    parser.add_argument("--bench", action="store_true", help="time the matrix-vector kernel vs cuBLAS")
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    status = 0
-    if args.check:
+    def check_all(device: torch.device) -> float:
         dtypes = [torch.float32] if device.type == "cpu" else [torch.float32, torch.bfloat16, torch.float16]
-        status = run_check(device, lambda d: check(d, dtypes))
-    if args.bench:
-        bench(device)
-    if not (args.check or args.bench):
-        parser.print_help()
-        return 2
-    return status
+        return check(device, dtypes)
+
+    return kernel_main(argv, __doc__.split("\n")[0], check_all,
+                       {"bench": ("time the matrix-vector kernel vs cuBLAS", bench)})
 
 
 if __name__ == "__main__":

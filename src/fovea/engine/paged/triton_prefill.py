@@ -35,7 +35,6 @@ in triton's CPU interpreter with ``--device cpu``) and time it:
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import sys
@@ -44,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.paged.triton_util import next_pow2, run_check
+from fovea.engine.paged.triton_util import kernel_main, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -393,21 +392,9 @@ def bench(device: torch.device, sweep: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare with the torch reference")
-    parser.add_argument("--bench", action="store_true", help="time LLaVA-7B-shaped prefill attention")
-    parser.add_argument("--sweep", action="store_true", help="with --bench: time alternative tile configs")
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if args.bench:
-        bench(device, sweep=args.sweep)
-        if not args.check:
-            return 0
-    if not args.check:
-        parser.print_help()
-        return 2
-    return run_check(device, check)
+    return kernel_main(argv, __doc__.split("\n")[0], check, {
+        "bench": ("time LLaVA-7B-shaped prefill attention", bench),
+        "sweep": ("the same, with alternative tile configs", lambda device: bench(device, sweep=True))})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ CI), and the kernels are used only where ``available()`` says so.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 import torch
@@ -37,3 +38,24 @@ def run_check(device: torch.device, check: Callable[[torch.device], float]) -> i
     worst = check(device)
     print("PASS" if worst <= 1.0 else "FAIL", f"(worst error / tolerance = {worst:.3f})")
     return 0 if worst <= 1.0 else 1
+
+
+def kernel_main(argv: list[str] | None, description: str, check: Callable[[torch.device], float],
+                timings: dict[str, tuple[str, Callable[[torch.device], None]]]) -> int:
+    """The command line of a kernel module: ``--check`` (against torch) and one flag per
+    timing in ``timings`` (name -> (help, function of the device)), on ``--device``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--check", action="store_true", help="compare with the torch reference")
+    for name, (help_text, _) in timings.items():
+        parser.add_argument(f"--{name}", action="store_true", help=help_text)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    chosen = [run for name, (_, run) in timings.items() if getattr(args, name)]
+    if not args.check and not chosen:
+        parser.print_help()
+        return 2
+    device = torch.device(args.device)
+    status = run_check(device, check) if args.check else 0
+    for run in chosen:
+        run(device)
+    return status
