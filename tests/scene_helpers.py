@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import http.server
 import io
 import random
 import socket
@@ -15,6 +18,7 @@ from PIL import Image
 
 from fovea.config import ServerSettings
 from fovea.demo import scenes
+from fovea.engine.request import FinishEvent, TokenEvent
 from fovea.model.loader import LoadedModel
 
 
@@ -62,3 +66,47 @@ def start_server(settings: ServerSettings, loaded: LoadedModel) -> tuple[LiveSer
 def stop_server(server: uvicorn.Server, thread: threading.Thread) -> None:
     server.should_exit = True
     thread.join(timeout=30)
+
+
+async def collect(engine, prompt, params, **kw):
+    tokens, finish = [], None
+    async for event in engine.generate(prompt, params, **kw):
+        if isinstance(event, TokenEvent) and event.token_id >= 0:
+            tokens.append(event.token_id)
+        elif isinstance(event, FinishEvent):
+            finish = event
+        else:
+            raise AssertionError(f"unexpected event {event!r}")
+    return tokens, finish
+
+
+def run_all(engine, jobs):
+    """Start ``engine``, run (prompt, params) jobs concurrently, stop it; [(tokens, finish)]."""
+    async def main():
+        engine.start()
+        try:
+            return await asyncio.gather(*(collect(engine, p, s) for p, s in jobs))
+        finally:
+            engine.stop()
+    return asyncio.run(main())
+
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    """A test HTTP handler: no access log, clients that hang up on purpose are not errors,
+    and ``send`` writes a whole response."""
+
+    def log_message(self, *args: object) -> None:  # keep pytest output clean
+        pass
+
+    def handle(self) -> None:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # client gave up on purpose
+            super().handle()
+
+    def send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        if "Content-Length" not in (headers or {}):
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)

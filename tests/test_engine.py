@@ -2,12 +2,12 @@ import asyncio
 
 import pytest
 import torch
-
 from scene_helpers import fresh_scene
+from scene_helpers import run_all as run_engine
+
 from fovea.demo import scenes
 from fovea.engine.detokenize import IncrementalDetokenizer
 from fovea.engine.engine import Engine, EngineConfig
-from fovea.engine.request import FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
 from fovea.model.prompt import encode_prompt, render_chat
@@ -18,25 +18,8 @@ def prompt_for(model, image, question="Describe the image."):
     return encode_prompt(model, render_chat(model, messages), [image])
 
 
-async def collect(engine, prompt, params):
-    tokens, finish = [], None
-    async for event in engine.generate(prompt, params):
-        if isinstance(event, TokenEvent) and event.token_id >= 0:
-            tokens.append(event.token_id)
-        elif isinstance(event, FinishEvent):
-            finish = event
-    return tokens, finish
-
-
 def run_all(model, jobs, config=None):
-    async def main():
-        engine = Engine(model, config or EngineConfig())
-        engine.start()
-        try:
-            return await asyncio.gather(*(collect(engine, p, s) for p, s in jobs))
-        finally:
-            engine.stop()
-    return asyncio.run(main())
+    return run_engine(Engine(model, config or EngineConfig()), jobs)
 
 
 def test_greedy_is_token_identical_to_transformers_generate(demo_model):
@@ -75,7 +58,7 @@ def test_answers_are_right_and_depend_on_the_image(demo_model):
 
 def test_seeded_sampling_is_reproducible_and_usage_is_counted(demo_model):
     prompt = prompt_for(demo_model, scenes.render(fresh_scene(300)))
-    params = lambda seed: SamplingParams(max_tokens=12, temperature=1.5, top_p=0.9, seed=seed)  # noqa: E731
+    params = lambda seed: SamplingParams(max_tokens=12, temperature=1.5, top_p=0.9, seed=seed)
     a, b = run_all(demo_model, [(prompt, params(7)), (prompt, params(7))])
     assert a[0] == b[0]
     assert a[1].prompt_tokens == len(prompt.input_ids)

@@ -5,8 +5,8 @@ import gc
 import weakref
 
 import pytest
-from scene_helpers import fresh_scene
-from test_paged_helpers import prompt_for, reference_tokens, run_all
+from scene_helpers import fresh_scene, run_all
+from test_paged_helpers import prompt_for, reference_tokens
 
 from fovea.demo import scenes
 from fovea.engine.paged import PagedEngine, PagedEngineConfig

@@ -3,13 +3,12 @@ and memoised transformers references. Named test_paged_* only to stay inside the
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import torch
 
 from fovea.engine.paged.sequence import Sequence
-from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent
+from fovea.engine.request import EngineRequest
 from fovea.engine.sampling import SamplingParams
 from fovea.model.prompt import EncodedPrompt, encode_prompt, render_chat
 
@@ -28,29 +27,6 @@ def fake_seq(seq_id: int, token_ids: list[int], image_hashes: list[str] | None =
 def prompt_for(model, image, question: str = "Describe the image."):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
     return encode_prompt(model, render_chat(model, messages), [image])
-
-
-async def collect(engine, prompt, params, **kw):
-    tokens, finish = [], None
-    async for event in engine.generate(prompt, params, **kw):
-        if isinstance(event, TokenEvent) and event.token_id >= 0:
-            tokens.append(event.token_id)
-        elif isinstance(event, FinishEvent):
-            finish = event
-        else:
-            raise AssertionError(f"unexpected event {event!r}")
-    return tokens, finish
-
-
-def run_all(engine, jobs):
-    """Start ``engine``, run (prompt, params) jobs concurrently, stop it; [(tokens, finish)]."""
-    async def main():
-        engine.start()
-        try:
-            return await asyncio.gather(*(collect(engine, p, s) for p, s in jobs))
-        finally:
-            engine.stop()
-    return asyncio.run(main())
 
 
 _reference_lock = threading.Lock()

@@ -5,8 +5,8 @@ import time
 
 import pytest
 import torch
-from scene_helpers import fresh_scene
-from test_paged_helpers import collect, prompt_for, run_all
+from scene_helpers import collect, fresh_scene, run_all
+from test_paged_helpers import prompt_for
 
 from fovea.demo import scenes
 from fovea.engine.paged import PagedEngine, PagedEngineConfig

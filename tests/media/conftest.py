@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import threading
 import time
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from media_helpers import encode, rgb
+from scene_helpers import QuietHandler
 
 from fovea.media import ImageStore, MediaConfig, MediaResolver
 
@@ -52,49 +52,34 @@ class ImageServer:
 
 
 def _handler(server: ImageServer) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:  # keep pytest output clean
-            pass
-
-        def handle(self) -> None:
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # client gave up on purpose
-                super().handle()
-
-        def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
-            self.send_response(status)
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            if "Content-Length" not in (headers or {}):
-                self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    class Handler(QuietHandler):
 
         def do_GET(self) -> None:
             server.hosts_seen.append(self.headers.get("Host", ""))
             path = self.path
             if path == "/img.png":
-                self._send(200, server.png, {"Content-Type": "image/png"})
+                self.send(200, server.png, {"Content-Type": "image/png"})
             elif path == "/redirect-ok":
-                self._send(302, headers={"Location": "/img.png"})
+                self.send(302, headers={"Location": "/img.png"})
             elif path == "/redirect-chain":
-                self._send(301, headers={"Location": "/redirect-ok"})
+                self.send(301, headers={"Location": "/redirect-ok"})
             elif path == "/redirect-other-host":
-                self._send(302, headers={"Location": server.url("/img.png", host="localhost")})
+                self.send(302, headers={"Location": server.url("/img.png", host="localhost")})
             elif path == "/redirect-internal":
-                self._send(302, headers={"Location": server.url("/img.png", host="internal.test")})
+                self.send(302, headers={"Location": server.url("/img.png", host="internal.test")})
             elif path == "/redirect-file":
-                self._send(302, headers={"Location": "file:///etc/passwd"})
+                self.send(302, headers={"Location": "file:///etc/passwd"})
             elif path == "/redirect-loop":
-                self._send(302, headers={"Location": "/redirect-loop"})
+                self.send(302, headers={"Location": "/redirect-loop"})
             elif path == "/redirect-no-location":
-                self._send(302)
+                self.send(302)
             elif path == "/missing":
-                self._send(404, b"not found")
+                self.send(404, b"not found")
             elif path == "/html":
-                self._send(200, b"<!DOCTYPE html><html><body>login</body></html>",
+                self.send(200, b"<!DOCTYPE html><html><body>login</body></html>",
                            {"Content-Type": "text/html"})
             elif path == "/big-declared":
-                self._send(200, b"x" * 10, {"Content-Length": str(10**12)})
+                self.send(200, b"x" * 10, {"Content-Length": str(10**12)})
             elif path == "/big-streamed":  # no Content-Length: only counting while streaming catches it
                 self.send_response(200)
                 self.send_header("Connection", "close")
@@ -104,9 +89,9 @@ def _handler(server: ImageServer) -> type[http.server.BaseHTTPRequestHandler]:
                     self.wfile.write(b"\x00" * 4096)
             elif path == "/slow":
                 time.sleep(0.6)
-                self._send(200, server.png)
+                self.send(200, server.png)
             else:
-                self._send(404)
+                self.send(404)
 
     return Handler
 

@@ -8,7 +8,6 @@ Two fovea servers allow only the host name ``localhost``: one with the default
 from __future__ import annotations
 
 import base64
-import contextlib
 import http.server as http_server
 import io
 import threading
@@ -17,7 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from scene_helpers import fresh_scene
+from scene_helpers import QuietHandler, fresh_scene
 
 from fovea.demo import scenes
 from fovea.media import MediaConfig
@@ -52,22 +51,7 @@ class Origin:
     def _handler(self):
         origin = self
 
-        class Handler(http_server.BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def handle(self) -> None:
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                    super().handle()
-
-            def send(self, status: int, body: bytes = b"", headers: dict | None = None) -> None:
-                self.send_response(status)
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                if "Content-Length" not in (headers or {}):
-                    self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+        class Handler(QuietHandler):
 
             def do_GET(self) -> None:
                 origin.requests.append((self.path, self.headers.get("Host", "")))

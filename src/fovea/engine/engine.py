@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.hf_runner import HFBatchRunner
 from fovea.engine.image_encoder import start_worker
-from fovea.engine.request import EngineRequest, ErrorEvent, Event, submit_and_stream
+from fovea.engine.request import EngineRequest, ErrorEvent, Event, check_fits_context, submit_and_stream
 from fovea.engine.sampling import SamplingParams
-from fovea.errors import InvalidRequest
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt
 
@@ -71,13 +70,7 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------
     def check_fits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
-        need = len(prompt.input_ids) + params.max_tokens
-        if need > self.loaded.context_length:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt.input_ids)} tokens and max_tokens is {params.max_tokens}: "
-                f"{need} tokens exceed the model's context of {self.loaded.context_length}. "
-                "Lower max_tokens or shorten the prompt.",
-                code="context_length_exceeded", param="max_tokens")
+        check_fits_context(prompt, params, self.loaded.context_length)
 
     async def generate(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
                        want_first_logprobs: bool = False) -> AsyncIterator[Event]:
@@ -109,7 +102,7 @@ class Engine:
             self.running_batch = len(batch)
             try:
                 self.runner.run(batch)
-            except Exception as exc:  # noqa: BLE001 - report to each request, keep serving
+            except Exception as exc:
                 log.exception("batch of %d failed", len(batch))
                 for r in batch:
                     r.emit(ErrorEvent(exc))

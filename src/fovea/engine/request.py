@@ -11,11 +11,12 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from fovea.engine.sampling import SamplingParams
-from fovea.errors import Overloaded
+from fovea.errors import InvalidRequest, Overloaded
 from fovea.model.prompt import EncodedPrompt
 
 
@@ -56,6 +57,21 @@ class EngineRequest:
     first_logprobs: torch.Tensor | None = None
 
 
+def check_fits_context(prompt: EncodedPrompt, params: SamplingParams, model_context: int,
+                       server_limit: int | None = None) -> None:
+    """400 up front for a request that can never finish: prompt + max_tokens beyond the
+    model's context, or beyond what this server holds per sequence (``server_limit``)."""
+    need = len(prompt.input_ids) + params.max_tokens
+    head = f"the prompt has {len(prompt.input_ids)} tokens and max_tokens is {params.max_tokens}: {need} tokens exceed"
+    if need > model_context:
+        raise InvalidRequest(f"{head} the model's context of {model_context}. Lower max_tokens or shorten the prompt.",
+                             code="context_length_exceeded", param="max_tokens")
+    if server_limit is not None and need > server_limit:
+        raise InvalidRequest(
+            f"{head} this server's limit of {server_limit} tokens per sequence (max_model_len or KV-cache size). "
+            "Lower max_tokens or shorten the prompt.", code="context_length_exceeded", param="max_tokens")
+
+
 class LoopMailbox:
     """Events from the engine thread to one asyncio loop, with one wake-up per burst.
 
@@ -65,7 +81,7 @@ class LoopMailbox:
     and schedules one drain only when none is pending.
     """
 
-    _by_loop: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox] = weakref.WeakKeyDictionary()
+    _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox]] = weakref.WeakKeyDictionary()
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -96,7 +112,7 @@ class LoopMailbox:
             deliver(event)
 
 
-async def submit_and_stream(work_queue: "queue.Queue[EngineRequest | None]", max_queue: int,
+async def submit_and_stream(work_queue: queue.Queue[EngineRequest | None], max_queue: int,
                             prompt: EncodedPrompt, params: SamplingParams, request_id: str | None,
                             want_first_logprobs: bool) -> AsyncIterator[Event]:
     """Queue one request for an engine's worker thread and stream its events back.

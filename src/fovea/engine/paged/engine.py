@@ -24,7 +24,7 @@ from fovea.engine.paged.model_runner import ModelRunner
 from fovea.engine.paged.sampler import sample_tokens
 from fovea.engine.paged.scheduler import Scheduler, StepPlan
 from fovea.engine.paged.sequence import Sequence
-from fovea.engine.request import EngineRequest, ErrorEvent, Event, submit_and_stream
+from fovea.engine.request import EngineRequest, ErrorEvent, Event, check_fits_context, submit_and_stream
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import InvalidRequest
 from fovea.model.loader import LoadedModel
@@ -87,19 +87,7 @@ class PagedEngine:
 
     # ---- requests -------------------------------------------------------------------
     def check_fits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
-        need = len(prompt.input_ids) + params.max_tokens
-        if need > self.loaded.context_length:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt.input_ids)} tokens and max_tokens is {params.max_tokens}: "
-                f"{need} tokens exceed the model's context of {self.loaded.context_length}. "
-                "Lower max_tokens or shorten the prompt.",
-                code="context_length_exceeded", param="max_tokens")
-        if need > self.max_context:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt.input_ids)} tokens and max_tokens is {params.max_tokens}: "
-                f"{need} tokens exceed this server's limit of {self.max_context} tokens per sequence "
-                "(max_model_len or KV-cache size). Lower max_tokens or shorten the prompt.",
-                code="context_length_exceeded", param="max_tokens")
+        check_fits_context(prompt, params, self.loaded.context_length, self.max_context)
 
     async def generate(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
                        want_first_logprobs: bool = False) -> AsyncIterator[Event]:
@@ -122,13 +110,7 @@ class PagedEngine:
             log.exception("the engine worker died")
             self._dead = exc
             self._fail_all(exc)
-            while True:  # answer whatever is still queued, then stay dead
-                try:
-                    request = self._queue.get_nowait()
-                except queue.Empty:
-                    return
-                if request is not None:
-                    request.emit(ErrorEvent(exc))
+            self._answer_queued(exc)  # then stay dead
 
     def _serve(self) -> None:
         while True:
@@ -172,13 +154,17 @@ class PagedEngine:
         """Answer everything still in flight or queued, so no consumer waits forever."""
         stopped = EngineStopped("the engine was stopped")
         self._fail_all(stopped)
+        self._answer_queued(stopped)
+
+    def _answer_queued(self, exc: BaseException) -> None:
+        """Fail every request still on the queue with ``exc``."""
         while True:
             try:
                 request = self._queue.get_nowait()
             except queue.Empty:
                 return
             if request is not None:
-                request.emit(ErrorEvent(stopped))
+                request.emit(ErrorEvent(exc))
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
