@@ -14,7 +14,9 @@ class PrefillSpan:
     offset: int  # where the chunk's tokens sit in the step's flat token list
     length: int
     start: int  # position of the chunk's first token in its sequence
-    block_ids: torch.Tensor  # [blocks covering positions 0 .. start + length) long, on device
+    # [blocks covering positions 0 .. start + length) long, on device; None where the Triton
+    # prefill kernel reads the step's PrefillBatch instead.
+    block_ids: torch.Tensor | None
 
 
 @dataclass(slots=True)

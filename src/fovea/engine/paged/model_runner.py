@@ -219,8 +219,10 @@ class ModelRunner:
             slots.extend(self._slots(seq.block_table, c.start, c.end))
             used = -(-c.end // self.block_size)
             tables.append(seq.block_table[:used])
-            spans.append(PrefillSpan(offset, c.length, c.start,
-                                     torch.tensor(seq.block_table[:used], dtype=torch.long, device=device)))
+            # The per-span block ids feed the torch path only; the Triton kernel reads ``tables``.
+            block_ids = None if self.decode_attention.prefill is not None else torch.tensor(
+                seq.block_table[:used], dtype=torch.long, device=device)
+            spans.append(PrefillSpan(offset, c.length, c.start, block_ids))
             if c.start < seq.prompt_len:
                 assert seq.prompt_embeds is not None, "prompt embeddings are filled at admission"
                 overrides.append((offset, seq.prompt_embeds[c.start:min(c.end, seq.prompt_len)]))
