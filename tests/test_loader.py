@@ -97,3 +97,16 @@ def test_missing_weights_are_refused_not_randomly_initialised(tmp_path):
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="missing from the checkpoint.*randomly initialised"):
         load_model(path, device="cpu")
+
+
+def test_cuda_device_gets_a_concrete_index(monkeypatch):
+    # Tensors on a GPU report cuda:0, never cuda: the loaded model's device must be spelt the
+    # same way, or the placement contract refuses every parameter of a `--device cuda` load.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda") == torch.device("cuda:0")
+    assert resolve_device("auto") == torch.device("cuda:0")
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ModelLoadError, match="sees 2 CUDA GPU"):
+        resolve_device("cuda:2")
