@@ -107,7 +107,7 @@ async def run_phase(url: str, model: str, concurrency: int, n: int, mix: list[st
 
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else float("nan")
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -115,7 +115,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "fovea.cli", "--log-level", "warning", "serve", "--port", str(port),
-           "--device", args.device, "--max-batch-size", str(args.max_batch_size), "--engine", args.engine,
+           "--device", args.device, "--dtype", args.dtype, "--max-batch-size", str(args.max_batch_size), "--engine", args.engine,
            "--no-canary"]
     if args.model:
         cmd += ["--model", args.model]
@@ -140,6 +140,7 @@ def main() -> int:
     parser.add_argument("--url", default=None, help="server to load (default: start `fovea serve` here)")
     parser.add_argument("--model", default=None, help="model dir for the started server / model id to send")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="for the started server")
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--engine", default="paged", choices=["paged", "simple"], help="for the started server")
     parser.add_argument("--single", type=int, default=30, help="sequential requests for latency")

@@ -1,6 +1,6 @@
 """Caption latency and batch throughput without HTTP: fovea's engine vs transformers' generate.
 
-    python bench/offline_cpu.py [--model DIR] [--requests 40] [--batch 8]
+    python bench/offline_demo.py [--model DIR] [--requests 40] [--batch 8] [--device cuda]
 
 Same scenes, same greedy decoding, same process, so the two columns differ only in the
 generation loop. Together with bench/http_load.py it shows what the HTTP layer costs.
@@ -29,7 +29,7 @@ QUESTION = [{"type": "image"}, {"type": "text", "text": "Describe the image."}]
 
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 def main() -> None:
@@ -38,9 +38,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for both columns")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
 
-    loaded = load_model(args.model, "cpu", "float32")
+    loaded = load_model(args.model, args.device, args.dtype)
     torch.set_num_threads(args.threads)
     images = [scenes.render(scenes.SceneSampler().sample(random.Random(90_000 + i))) for i in range(args.requests)]
     text = render_chat(loaded, [{"role": "user", "content": QUESTION}])
@@ -53,9 +55,10 @@ def main() -> None:
     for image in images:
         started = time.perf_counter()
         p = encode(image)
-        ids = torch.tensor([p.input_ids])
+        ids = torch.tensor([p.input_ids], device=loaded.device)
+        pixels = p.pixel_values.to(loaded.device, loaded.dtype)
         with torch.no_grad():
-            loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=p.pixel_values,
+            loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
                                   max_new_tokens=48, do_sample=False)
         hf_single.append(time.perf_counter() - started)
     processor = loaded.processor
@@ -64,7 +67,8 @@ def main() -> None:
     hf_tokens = 0
     for i in range(0, len(images), args.batch):
         chunk = images[i:i + args.batch]
-        enc = processor(text=[text] * len(chunk), images=chunk, return_tensors="pt", padding=True)
+        enc = processor(text=[text] * len(chunk), images=chunk, return_tensors="pt", padding=True).to(loaded.device)
+        enc["pixel_values"] = enc["pixel_values"].to(loaded.dtype)
         with torch.no_grad():
             out = loaded.model.generate(**enc, max_new_tokens=48, do_sample=False)
         new = out[:, enc["input_ids"].shape[1]:]
@@ -127,9 +131,10 @@ def main() -> None:
         _, wall, tokens = asyncio.run(fovea_run(kind, args.batch))
         cols[kind] = (single, static_s, static_tokens, wall, tokens)
 
-    print(f"{loaded.name} on cpu, {args.threads} thread(s), {args.requests} caption requests, greedy")
+    where = f"cpu, {args.threads} thread(s)" if args.device == "cpu" else f"{args.device}, {args.dtype}"
+    print(f"{loaded.name} on {where}, {args.requests} caption requests, greedy")
     print(f"{'':<34}{'transformers':>14}{'fovea simple':>14}{'fovea paged':>14}")
-    row = lambda name, hf, f: print(f"{name:<34}{hf:>14}" + "".join(f"{f(c):>14.1f}" for c in cols.values()))  # noqa: E731
+    row = lambda name, hf, f: print(f"{name:<34}{hf:>14}" + "".join(f"{f(c):>14.1f}" for c in cols.values()))
     row("single p50 ms", f"{1000 * statistics.median(hf_single):.1f}", lambda c: 1000 * statistics.median(c[0]))
     row("single p95 ms", f"{1000 * pct(hf_single, 0.95):.1f}", lambda c: 1000 * pct(c[0], 0.95))
     row(f"static batches of {args.batch}, req/s", f"{args.requests / hf_batch_s:.1f}", lambda c: args.requests / c[1])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent H200: check the paged engine's GPU-only parts, then run the LLaVA-7B benchmark.
-# Usage (device tool): bash scripts/gpu_engine_checks.sh [bench flags...]
+# Usage (device tool): bash scripts/gpu_engine_checks.sh [--checks-only | bench flags...]
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fovea-out}
@@ -20,5 +20,6 @@ mkdir -p "$OUT"
   echo "== same, bfloat16"
   timeout 120 python3 -m fovea.engine.paged.selfcheck --device cuda --dtype bfloat16
 } 2>&1 | grep -v "Loading weights" | tee "$OUT/checks.log"
+[ "${1:-}" = "--checks-only" ] && exit 0
 echo "== LLaVA-1.5-7B architecture benchmark"
 python3 bench/gpu_llava7b.py --out "$OUT" "$@" 2>&1 | grep -v "Loading weights" | tee "$OUT/bench.log"
