@@ -335,6 +335,10 @@ def run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, f
     rows.append((f"{kind}: single", "TTFT ms", f"{1e3 * ttft:.1f}", f"{1e3 * hf['ttft']:.1f}",
                  f"{1e3 * floor_ttft:.1f} (FLOPs)"))
     log(f"{kind} single: {out['single']}")
+    # -- where a first token's time goes: requests that stop after it, phase timers alone.
+    firsts = [asyncio.run(run_requests(engine, [make_prompt(loaded, 200 + i)], 1))[0] for i in range(reps)]
+    log_phases(engine, f"{kind} first token only ({reps} requests of max_tokens 1)")
+    log(f"{kind} first token only: TTFT median {1e3 * statistics.median(s['ttft'] for s in firsts):.1f} ms")
     # -- throughput: the burst `throughput_runs` times, the median run reported.
     bursts = []
     for run in range(max(1, throughput_runs)):

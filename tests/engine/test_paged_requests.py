@@ -20,10 +20,15 @@ def engine_for(model, **kw):
     return PagedEngine(model, PagedEngineConfig(num_blocks=kw.pop("num_blocks", 128), **kw))
 
 
-def test_max_tokens_and_stop_strings(demo_model):
+# Each step queued before the previous step's tokens are read (the CUDA default) or after.
+overlap_modes = pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+
+
+@overlap_modes
+def test_max_tokens_and_stop_strings(demo_model, overlap):
     scene = fresh_scene(400, min_shapes=3)
     prompt = prompt_for(demo_model, scenes.render(scene))
-    (short, fin_short), (_, fin_stop) = run_all(engine_for(demo_model), [
+    (short, fin_short), (_, fin_stop) = run_all(engine_for(demo_model, overlap_steps=overlap), [
         (prompt, SamplingParams(max_tokens=3, temperature=0)),
         (prompt, SamplingParams(max_tokens=40, temperature=0, stop=[" at"])),
     ])
@@ -32,20 +37,22 @@ def test_max_tokens_and_stop_strings(demo_model):
     assert fin_stop.text and scenes.describe_answer(scene).startswith(fin_stop.text)
 
 
-def test_seeded_sampling_is_reproducible_batched_or_alone(demo_model):
+@overlap_modes
+def test_seeded_sampling_is_reproducible_batched_or_alone(demo_model, overlap):
     prompt = prompt_for(demo_model, scenes.render(fresh_scene(300)))
     def params(seed):
         return SamplingParams(max_tokens=12, temperature=1.5, top_p=0.9, seed=seed)
 
-    a, b, _ = run_all(engine_for(demo_model), [(prompt, params(7)), (prompt, params(7)), (prompt, params(8))])
-    (alone, _), = run_all(engine_for(demo_model), [(prompt, params(7))])
+    a, b, _ = run_all(engine_for(demo_model, overlap_steps=overlap), [(prompt, params(7)), (prompt, params(7)), (prompt, params(8))])
+    (alone, _), = run_all(engine_for(demo_model, overlap_steps=overlap), [(prompt, params(7))])
     assert a[0] == b[0] == alone
     assert a[1].prompt_tokens == len(prompt.input_ids) and a[1].completion_tokens >= len(a[0])
 
 
-def test_first_logprobs_are_the_prompts_next_token_distribution(demo_model):
+@overlap_modes
+def test_first_logprobs_are_the_prompts_next_token_distribution(demo_model, overlap):
     prompt = prompt_for(demo_model, scenes.render(fresh_scene(310)))
-    engine = engine_for(demo_model)
+    engine = engine_for(demo_model, overlap_steps=overlap)
 
     async def main():
         engine.start()
@@ -63,11 +70,13 @@ def test_first_logprobs_are_the_prompts_next_token_distribution(demo_model):
     assert tokens[0] == int(finish.first_logprobs.argmax())
 
 
-def test_a_consumer_that_stops_listening_cancels_and_frees_its_blocks(demo_model):
+@overlap_modes
+def test_a_consumer_that_stops_listening_cancels_and_frees_its_blocks(demo_model, overlap):
     prompt = prompt_for(demo_model, scenes.render(fresh_scene(320)))
-    engine = engine_for(demo_model, num_blocks=64)
+    engine = engine_for(demo_model, num_blocks=64, overlap_steps=overlap)
     execute = engine.runner.execute
-    engine.runner.execute = lambda plan: (time.sleep(0.03), execute(plan))[1]  # steps slow enough to cancel
+    # steps slow enough to cancel
+    engine.runner.execute = lambda plan, previous=None: (time.sleep(0.03), execute(plan, previous))[1]
     reasons = []
     finish = engine._finish
     engine._finish = lambda seq, reason: (reasons.append(reason), finish(seq, reason))
@@ -147,7 +156,7 @@ def test_stop_answers_requests_still_in_flight(demo_model):
     prompt = prompt_for(demo_model, scenes.render(fresh_scene(330)))
     engine = engine_for(demo_model)
     execute = engine.runner.execute
-    engine.runner.execute = lambda plan: (time.sleep(0.05), execute(plan))[1]
+    engine.runner.execute = lambda plan, previous=None: (time.sleep(0.05), execute(plan, previous))[1]
 
     async def main():
         engine.start()

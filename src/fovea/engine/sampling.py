@@ -44,8 +44,15 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from one row of logits ([vocab])."""
+    return int(sample_next_on_device(logits, params, generator).item())
+
+
+def sample_next_on_device(logits: torch.Tensor, params: SamplingParams,
+                          generator: torch.Generator | None) -> torch.Tensor:
+    """``sample_next`` without reading the result back: a 0-d int64 tensor on the logits'
+    device, so the engine can queue the next step before the token reaches the host."""
     if params.greedy:
-        return int(torch.argmax(logits).item())
+        return torch.argmax(logits)
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
@@ -55,5 +62,5 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         keep[0] = True  # the most likely token always stays, however small top_p is
         sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         choice = torch.multinomial(sorted_probs / sorted_probs.sum(), 1, generator=generator)
-        return int(order[choice].item())
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        return order[choice][0]
+    return torch.multinomial(probs, 1, generator=generator)[0]

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fovea.engine.paged.staging import to_device
+
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -43,16 +45,23 @@ class PrefillBatch:
     max_q_len: int
 
     @staticmethod
-    def build(spans: list[PrefillSpan], tables: list[list[int]], device: torch.device) -> PrefillBatch:
+    def arrays(spans: list[PrefillSpan], tables: list[list[int]]) -> list[tuple[list, torch.dtype]]:
+        """The batch's host lists (cumulative lengths, starts, padded tables) for ``to_device``."""
         cu = [0]
         for span in spans:
             cu.append(cu[-1] + span.length)
         width = max(len(t) for t in tables)
         padded = [t + [t[0]] * (width - len(t)) for t in tables]  # padding is never read
-        return PrefillBatch(torch.tensor(cu, dtype=torch.int32, device=device),
-                            torch.tensor([s.start for s in spans], dtype=torch.int32, device=device),
-                            torch.tensor(padded, dtype=torch.int32, device=device),
-                            max(s.length for s in spans))
+        return [(cu, torch.int32), ([s.start for s in spans], torch.int32), (padded, torch.int32)]
+
+    @staticmethod
+    def from_tensors(spans: list[PrefillSpan], cu_q_lens: torch.Tensor, q_starts: torch.Tensor,
+                     block_tables: torch.Tensor) -> PrefillBatch:
+        return PrefillBatch(cu_q_lens, q_starts, block_tables, max(s.length for s in spans))
+
+    @staticmethod
+    def build(spans: list[PrefillSpan], tables: list[list[int]], device: torch.device) -> PrefillBatch:
+        return PrefillBatch.from_tensors(spans, *to_device(device, PrefillBatch.arrays(spans, tables)))
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -31,6 +31,9 @@ class PagedEngineConfig:
     # Fused q/k/v and gate/up products and Triton norm/rotary/activation kernels (CUDA, with
     # the Triton decode). None or True: on wherever the Triton decode is; False: off.
     fused_kernels: bool | None = None
+    # Queue each step before the previous step's tokens are read back, so the host's work
+    # (scheduling, input building, emitting) overlaps the GPU's. None: on CUDA.
+    overlap_steps: bool | None = None
     vision_batch_size: int = 8  # images per vision-tower call: bounds the encoder's activation peak
     cpu_threads: int | None = None  # as EngineConfig.cpu_threads: all cores but one by default
     encoder_cache_bytes: int = 256 * MiB
@@ -52,5 +55,7 @@ class PagedEngineConfig:
         model_len = min(self.max_model_len or context_length, context_length)
         triton_decode = cuda if self.triton_decode is None else (self.triton_decode and cuda)
         graphs = cuda if self.cuda_graphs is None else (self.cuda_graphs and cuda)
+        overlap = cuda if self.overlap_steps is None else self.overlap_steps
         return dataclasses.replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs,
-                                   max_model_len=model_len, triton_decode=triton_decode, cuda_graphs=graphs)
+                                   max_model_len=model_len, triton_decode=triton_decode, cuda_graphs=graphs,
+                                   overlap_steps=overlap)

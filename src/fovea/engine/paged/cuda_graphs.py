@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fovea.engine.paged.staging import resolve_pending, to_device
+
 log = logging.getLogger("fovea.engine.paged")
 
 LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -107,21 +109,24 @@ class GraphedDecode:
     def can_run(self, n: int) -> bool:
         return bucket_for(n, self.sizes) is not None
 
-    def run(self, batch: DecodeBatch) -> torch.Tensor:
-        """Logits [len(batch), vocab] in float32."""
+    def run(self, batch: DecodeBatch, previous: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(batch), vocab] in float32. Token ids may be ``pending_token``s, read
+        from ``previous`` (the last step's sampled tokens) on the device."""
         n = len(batch)
         size = bucket_for(n, self.sizes)
         assert size is not None
         padded = pad_decode_batch(batch, size, self.pad_slot, self.pad_block)
         width = len(padded.block_tables[0])
+        ids, positions, slots, context_lens, tables = to_device(self.token_ids.device, [
+            (padded.token_ids, torch.long), (padded.positions, torch.long), (padded.slots, torch.long),
+            (padded.context_lens, torch.int32), (padded.block_tables, torch.int32)])
+        self.token_ids[:size].copy_(resolve_pending(ids, previous))
+        self.positions[:size].copy_(positions)
+        self.slots[:size].copy_(slots)
+        self.context_lens[:size].copy_(context_lens)
         # Only the first `width` table columns are rewritten: columns past a row's context
         # length are never read.
-        self.token_ids[:size].copy_(torch.tensor(padded.token_ids), non_blocking=True)
-        self.positions[:size].copy_(torch.tensor(padded.positions), non_blocking=True)
-        self.slots[:size].copy_(torch.tensor(padded.slots), non_blocking=True)
-        self.block_tables[:size, :width].copy_(torch.tensor(padded.block_tables, dtype=torch.int32),
-                                               non_blocking=True)
-        self.context_lens[:size].copy_(torch.tensor(padded.context_lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:size, :width].copy_(tables)
         graph, out = self.graphs[size]
         graph.replay()
         self.replayed += 1

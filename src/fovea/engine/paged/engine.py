@@ -2,7 +2,8 @@
 
 ``generate`` puts a request on a bounded queue (429 when full) and streams its events.
 One worker thread runs the step loop: take new requests, schedule, embed newly admitted
-prompts, one forward, sample, emit. It blocks on the queue only when it has nothing to do.
+prompts, launch one forward and its sampling, then emit the previous step's tokens while the
+GPU runs this one. It blocks on the queue only when it has nothing to do.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.image_encoder import start_worker
 from fovea.engine.paged.block_manager import BlockManager
 from fovea.engine.paged.config import PagedEngineConfig
+from fovea.engine.paged.in_flight import InFlight
 from fovea.engine.paged.model_runner import ModelRunner
-from fovea.engine.paged.sampler import sample_tokens
+from fovea.engine.paged.sampler import sample_on_device
 from fovea.engine.paged.scheduler import Scheduler, StepPlan
-from fovea.engine.paged.sequence import Sequence
+from fovea.engine.paged.sequence import SeqStatus, Sequence
 from fovea.engine.request import EngineRequest, ErrorEvent, Event, check_fits_context, submit_and_stream
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import InvalidRequest
@@ -55,7 +57,9 @@ class PagedEngine:
         self._stopping = threading.Event()
         self._next_id = 0
         self._dead: BaseException | None = None  # set when the worker thread dies
+        self._in_flight: InFlight | None = None  # the launched step whose tokens are not read yet
         self.steps = 0
+        self.steps_queued_ahead = 0  # steps launched while the previous one's tokens were unread
         self.running_batch = 0
         # Wall seconds of the worker's step phases, summed (where a step's time goes: CPU
         # scheduling, vision, launching the forward, waiting for the GPU, emitting tokens).
@@ -114,7 +118,10 @@ class PagedEngine:
 
     def _serve(self) -> None:
         while True:
-            if self._stopping.is_set() or not self._intake(block=not self.scheduler.has_work()):
+            idle = not self.scheduler.has_work()
+            if idle:
+                self._complete_in_flight()  # its sequences were cancelled: nothing waits for it
+            if self._stopping.is_set() or not self._intake(block=idle):
                 self._drain_on_stop()
                 return
             if not self.scheduler.has_work():
@@ -154,6 +161,7 @@ class PagedEngine:
         """Answer everything still in flight or queued, so no consumer waits forever."""
         stopped = EngineStopped("the engine was stopped")
         self._fail_all(stopped)
+        self._in_flight = None
         self._answer_queued(stopped)
 
     def _answer_queued(self, exc: BaseException) -> None:
@@ -179,7 +187,13 @@ class PagedEngine:
             self._fail(seq, exc)
 
     def step(self) -> None:
-        """One scheduling step: at most one forward."""
+        """One scheduling step: at most one forward.
+
+        On CUDA the step is queued one ahead: its forward and sampling are launched, then the
+        previous step's tokens are read back and emitted while the GPU runs this one. Decodes
+        whose input token is still on the device read it there (``staging.pending_token``).
+        A sequence that the previous step finished has one wasted row in this step.
+        """
         phases, t0 = self.phase_seconds, time.perf_counter()
         for seq in self.scheduler.all_sequences():
             if seq.request.cancelled.is_set():
@@ -188,41 +202,77 @@ class PagedEngine:
         for seq in plan.rejected:
             self._fail(seq, InvalidRequest("the sequence does not fit in the KV cache",
                                            code="context_length_exceeded", param="max_tokens"))
-        if not plan.chunks:
-            return
         t1 = time.perf_counter()
-        self._embed_admitted(plan)
+        if plan.chunks:
+            self._embed_admitted(plan)
         t2 = time.perf_counter()
         phases["schedule"] += t1 - t0
         phases["embed"] += t2 - t1
-        if not plan.chunks:
+        launched = self._launch(plan) if plan.chunks else None
+        phases["forward"] += time.perf_counter() - t2
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self.steps_queued_ahead += launched is not None
+            self._complete(previous)
+        if launched is None:
             return
+        self.scheduler.on_computed(launched.plan)
+        for row, seq in enumerate(launched.seqs):
+            if seq.status is not SeqStatus.FINISHED:
+                seq.add_pending(row)
+        self.steps += 1
+        if self.config.overlap_steps:
+            self._in_flight = launched
+        else:
+            self._complete(launched)
+
+    def _launch(self, plan: StepPlan) -> InFlight | None:
+        """Queue the forward and the sampling; None if the forward could not be launched."""
         self.running_batch = len(plan.chunks)
+        previous = self._in_flight.tokens if self._in_flight is not None else None
         try:
-            logits = self.runner.execute(plan)
-            t3 = time.perf_counter()
+            logits = self.runner.execute(plan, previous)
             sampling = [c.seq for c in plan.chunks if c.sample]
-            tokens = sample_tokens(logits, sampling)
+            tokens = sample_on_device(logits, sampling)
+            logprobs = {row: torch.log_softmax(logits[row], dim=-1) for row, seq in enumerate(sampling)
+                        if seq.request.want_first_logprobs and seq.produced == 0 and seq.pending_row is None}
+            return InFlight.start(plan, sampling, tokens, logprobs)
         except Exception as exc:
             log.exception("engine step over %d sequence(s) failed", len(plan.chunks))
             for chunk in plan.chunks:
                 self._fail(chunk.seq, exc)
-            return
+            return None
         finally:
             self.running_batch = 0
-        t4 = time.perf_counter()
-        self.scheduler.on_computed(plan)
-        self.steps += 1
+
+    def _complete(self, step: InFlight) -> None:
+        """Wait for a launched step's tokens, then record and emit them."""
+        phases, t0 = self.phase_seconds, time.perf_counter()
+        try:
+            tokens = step.tokens_on_host()
+        except Exception as exc:  # an asynchronous error of that step's kernels surfaces here
+            log.exception("engine step over %d sequence(s) failed", len(step.plan.chunks))
+            for chunk in step.plan.chunks:
+                if chunk.seq.status is not SeqStatus.FINISHED:
+                    self._fail(chunk.seq, exc)
+            return
+        t1 = time.perf_counter()
         eos = self.loaded.eos_token_ids
-        for row, (seq, token) in enumerate(zip(sampling, tokens)):
-            if seq.produced == 0 and seq.request.want_first_logprobs:
-                seq.request.first_logprobs = torch.log_softmax(logits[row], dim=-1).cpu()
-            reason = seq.append_token(token, eos)
+        for row, (seq, token) in enumerate(zip(step.seqs, tokens)):
+            if seq.status is SeqStatus.FINISHED:
+                continue  # cancelled or failed while the step ran
+            if row in step.logprobs:
+                seq.request.first_logprobs = step.logprobs[row].cpu()
+            reason = seq.resolve_token(token, eos)
             if reason is not None:
                 self._finish(seq, reason)
-        phases["forward"] += t3 - t2
-        phases["sample_wait"] += t4 - t3
-        phases["emit"] += time.perf_counter() - t4
+        phases["sample_wait"] += t1 - t0
+        phases["emit"] += time.perf_counter() - t1
+
+    def _complete_in_flight(self) -> None:
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._complete(step)
 
     def _embed_admitted(self, plan: StepPlan) -> None:
         """Fill the prompt embeddings of sequences whose prefill (re)starts this step."""

@@ -27,6 +27,7 @@ from fovea.engine.paged.embeddings import PromptEmbedder
 from fovea.engine.paged.kv_cache import KVCache, KVPlan, KVShape, log_plan, plan_num_blocks
 from fovea.engine.paged.llama import PagedLlama
 from fovea.engine.paged.scheduler import Chunk, StepPlan
+from fovea.engine.paged.staging import resolve_pending, to_device
 from fovea.engine.vision_graphs import try_graphed_vision
 from fovea.model.loader import LoadedModel
 from fovea.model.vision import encode_images
@@ -198,13 +199,15 @@ class ModelRunner:
                            tables, [c.start + 1 for c in chunks])
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run the step; logits [sampling chunks, vocab] float32, in plan order."""
+    def execute(self, plan: StepPlan, previous: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the step; logits [sampling chunks, vocab] float32, in plan order. A decode's
+        input token may still be on the device (``staging.pending_token``): it is read from
+        ``previous``, the last step's sampled tokens, without waiting for them."""
         device = self.device
         decodes, prefills = plan.chunks[:plan.num_decodes], plan.chunks[plan.num_decodes:]
         batch = self._decode_batch(decodes) if decodes else None
         if batch is not None and not prefills and self.graphs is not None and self.graphs.can_run(len(batch)):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch, previous)
         ids = list(batch.token_ids) if batch else []
         positions = list(batch.positions) if batch else []
         slots = list(batch.slots) if batch else []
@@ -228,16 +231,24 @@ class ModelRunner:
                 overrides.append((offset, seq.prompt_embeds[c.start:min(c.end, seq.prompt_len)]))
             if c.sample:
                 rows.append(offset + c.length - 1)
-        hidden = self.llama.embed_ids(torch.tensor(ids, dtype=torch.long, device=device))
+        arrays: list[tuple[list, torch.dtype]] = [(ids, torch.long), (positions, torch.long), (slots, torch.long),
+                                                  (rows, torch.long)]
+        if batch is not None:
+            arrays += [(batch.block_tables, torch.int32), (batch.context_lens, torch.int32)]
+        use_prefill_kernel = bool(spans) and self.decode_attention.prefill is not None
+        if use_prefill_kernel:
+            arrays += PrefillBatch.arrays(spans, tables)
+        staged = to_device(device, arrays)
+        ids_t, pos_t, slots_t, rows_t = staged[:4]
+        hidden = self.llama.embed_ids(resolve_pending(ids_t, previous))
         for offset, embeds in overrides:
             hidden[offset:offset + embeds.shape[0]] = embeds
-        meta = AttnMeta(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-                        num_decodes=len(decodes), prefills=spans)
-        if spans and self.decode_attention.prefill is not None:
-            meta.prefill_batch = PrefillBatch.build(spans, tables, device)
+        meta = AttnMeta(slot_mapping=slots_t, num_decodes=len(decodes), prefills=spans)
+        rest = staged[4:]
         if batch is not None:
-            meta.block_tables = torch.tensor(batch.block_tables, dtype=torch.int32, device=device)
-            meta.context_lens = torch.tensor(batch.context_lens, dtype=torch.int32, device=device)
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
-        logit_rows = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long, device=device)
-        return self.llama.forward(hidden, pos, meta, self.cache, logit_rows).float()
+            meta.block_tables, meta.context_lens = rest[0], rest[1]
+            rest = rest[2:]
+        if use_prefill_kernel:
+            meta.prefill_batch = PrefillBatch.from_tensors(spans, *rest)
+        logit_rows = None if len(rows) == len(ids) else rows_t
+        return self.llama.forward(hidden, pos_t, meta, self.cache, logit_rows).float()

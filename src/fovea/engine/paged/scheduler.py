@@ -97,8 +97,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING or not seq.is_decode:
-                continue
+            if seq.status is not SeqStatus.RUNNING or not seq.is_decode or not seq.wants_more:
+                continue  # (a sequence whose last token is in flight and will end it waits for it)
             while not blocks.ensure(seq, seq.num_computed + 1):
                 victim = self.running[-1]  # never one already scheduled: those are older than seq
                 self._preempt(victim)
@@ -144,9 +144,12 @@ class Scheduler:
             budget -= n
 
     def on_computed(self, plan: StepPlan) -> None:
-        """After the forward: advance progress and name newly filled blocks."""
+        """After the forward: advance progress and name newly filled blocks (not for sequences
+        that finished while the step ran: their blocks are gone)."""
         for chunk in plan.chunks:
             seq = chunk.seq
+            if seq.status is SeqStatus.FINISHED:
+                continue
             seq.num_computed = chunk.end
             if seq.num_computed >= seq.prompt_len:
                 seq.prompt_embeds = None  # the image rows are in the KV cache now

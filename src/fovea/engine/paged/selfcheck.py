@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     graphs = runner.graphs
     print(f"device={loaded.device} dtype={args.dtype} triton_decode={runner.decode_attention.use_triton} "
           f"graph_sizes={graphs.sizes if graphs else None} graph_replays={graphs.replayed if graphs else 0} "
-          f"steps={engine.steps} kv_blocks={runner.kv_plan.num_blocks} ({runner.kv_plan.source})")
+          f"steps={engine.steps} queued_ahead={engine.steps_queued_ahead} kv_blocks={runner.kv_plan.num_blocks} ({runner.kv_plan.source})")
     print(f"{same}/{len(prompts)} answers token-identical to transformers generate; "
           f"{len(prompts)} requests in {seconds:.2f} s")
     ok = same == len(prompts) or args.dtype != "float32"

@@ -8,6 +8,7 @@ import time
 import torch
 
 from fovea.engine.detokenize import IncrementalDetokenizer
+from fovea.engine.paged.staging import pending_token
 from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent
 from fovea.engine.sampling import make_generator
 
@@ -57,7 +58,10 @@ class Sequence:
         self.prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden] while prefilling
         self.generator = make_generator(request.params, device)
         self.detok = IncrementalDetokenizer(tokenizer, request.params.stop)
-        self.produced = 0
+        self.produced = 0  # sampled tokens that reached the host
+        # Row of the queued step's sampled tokens that holds this sequence's next token, while
+        # that token is still on the device (its place in token_ids holds pending_token(row)).
+        self.pending_row: int | None = None
         self.first_token_s: float | None = None
 
     @property
@@ -72,6 +76,11 @@ class Sequence:
     @property
     def is_decode(self) -> bool:
         return self.remaining == 1 and self.num_computed >= self.prompt_len
+
+    @property
+    def wants_more(self) -> bool:
+        """False once the tokens produced and in flight reach max_tokens: no step past that."""
+        return self.produced + (self.pending_row is not None) < self.request.params.max_tokens
 
     def block_extra(self, index: int, block_size: int) -> tuple[str, ...]:
         """Content hashes of the images whose token runs overlap block ``index``.
@@ -88,14 +97,24 @@ class Sequence:
         return tuple(seen)
 
     # ---- events ----------------------------------------------------------------------
-    def append_token(self, token: int, eos: set[int]) -> str | None:
-        """Record a sampled token and emit it; return a finish reason, or None to go on."""
+    def add_pending(self, row: int) -> None:
+        """A queued step samples this sequence's next token into row ``row``: the sequence goes
+        on with a placeholder, so the next step can be scheduled before the token is known."""
+        assert self.pending_row is None, "one token in flight at a time"
+        self.token_ids.append(pending_token(row))
+        self.pending_row = row
+
+    def resolve_token(self, token: int, eos: set[int]) -> str | None:
+        """The in-flight token arrived: record and emit it; return a finish reason, or None to go on."""
+        assert self.pending_row is not None and self.token_ids[-1] == pending_token(self.pending_row)
+        self.pending_row = None
         self.produced += 1
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter() - self.request.arrival
         if token in eos:
+            self.token_ids.pop()
             return "stop"
-        self.token_ids.append(token)
+        self.token_ids[-1] = token
         text = self.detok.push(token)
         self.request.emit(TokenEvent(text, token))
         if self.detok.stopped:
