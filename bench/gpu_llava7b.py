@@ -31,12 +31,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from fovea.engine.engine import Engine, EngineConfig  # noqa: E402
-from fovea.engine.request import FinishEvent, TokenEvent  # noqa: E402
-from fovea.engine.sampling import SamplingParams  # noqa: E402
-from fovea.model.loader import LoadedModel  # noqa: E402
-from fovea.model.prompt import EncodedPrompt  # noqa: E402
-from fovea.model.vision import encode_images, pixel_hash  # noqa: E402
+from fovea.engine.engine import Engine, EngineConfig
+from fovea.engine.request import FinishEvent, TokenEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.model.loader import LoadedModel
+from fovea.model.prompt import EncodedPrompt
+from fovea.model.vision import encode_images, pixel_hash
 
 IMAGE_TOKEN = 32000
 VOCAB = 32064
@@ -336,19 +336,28 @@ def run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, f
                  f"{1e3 * floor_ttft:.1f} (FLOPs)"))
     log(f"{kind} single: {out['single']}")
     # -- where a first token's time goes: requests that stop after it, phase timers alone.
+    queued = getattr(engine, "queued_seconds", 0.0)
     firsts = [asyncio.run(run_requests(engine, [make_prompt(loaded, 200 + i)], 1))[0] for i in range(reps)]
+    queued = (getattr(engine, "queued_seconds", 0.0) - queued) / reps
     log_phases(engine, f"{kind} first token only ({reps} requests of max_tokens 1)")
-    log(f"{kind} first token only: TTFT median {1e3 * statistics.median(s['ttft'] for s in firsts):.1f} ms")
+    log(f"{kind} first token only: TTFT median {1e3 * statistics.median(s['ttft'] for s in firsts):.1f} ms; "
+        f"from arrival until the worker took the request: {1e3 * queued:.2f} ms (mean)")
     # -- throughput: the burst `throughput_runs` times, the median run reported.
     bursts = []
     for run in range(max(1, throughput_runs)):
         # Fresh images and text each run: a repeated burst would hit the prefix and encoder
         # caches and skip its prefill.
         burst = prompts if run == 0 else [make_prompt(loaded, 1000 + 100_000 * run + i) for i in range(len(prompts))]
+        compiled = compiled_triton_kernels() if device.type == "cuda" else 0
+        if hasattr(engine, "step_trace"):
+            engine.step_trace = []
         t = time.perf_counter()
         outs = asyncio.run(run_requests(engine, burst, 128))
         wall = time.perf_counter() - t
         log_phases(engine, f"{kind} throughput")
+        log_step_trace(engine, f"{kind} burst {run + 1}")
+        if device.type == "cuda":
+            log(f"{kind} burst {run + 1}: {compiled_triton_kernels() - compiled} Triton kernel variants compiled during it")
         bursts.append({"tok_s": sum(o["tokens"] for o in outs) / wall, "wall_s": wall,
                        "ttft_p50_s": statistics.median(o["ttft"] for o in outs)})
         log(f"{kind} burst: {bursts[-1]}")
@@ -359,6 +368,31 @@ def run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, f
     rows.append((f"{kind}: {n} requests", "output tok/s", f"{median['tok_s']:.0f}",
                  f"{hf['batch_tok_s']:.0f} (b32)", f"{n * 128 / bound_s:.0f} (roofline)"))
     log(f"{kind} throughput: {out['throughput']}")
+
+
+def compiled_triton_kernels() -> int:
+    """Variants of fovea's Triton kernels compiled so far in this process (a rise during a
+    timed run means it paid for JIT compilation)."""
+    from fovea.engine.paged import triton_decode, triton_ops, triton_prefill
+
+    total = 0
+    for module in (triton_decode, triton_prefill, triton_ops):
+        kernels = module._kernels()
+        for fn in kernels if isinstance(kernels, tuple) else (kernels,):
+            total += sum(len(entry[0]) for entry in getattr(fn, "device_caches", {}).values())
+    return total
+
+
+def log_step_trace(engine, what: str, top: int = 6) -> None:
+    """The slowest step launches of the last run, with what they held."""
+    trace = getattr(engine, "step_trace", None)
+    if not trace:
+        return
+    slow = sorted(trace, reverse=True)[:top]
+    launch = sum(t for t, *_ in trace)
+    log(f"{what}: {len(trace)} steps, launches {launch:.2f} s; slowest (ms, decodes, prefill tokens, chunks): "
+        + "; ".join(f"{1e3 * t:.1f}, {d}, {n}, {c}" for t, d, n, c in slow))
+    trace.clear()
 
 
 def log_phases(engine, what: str) -> None:

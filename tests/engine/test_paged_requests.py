@@ -150,6 +150,36 @@ def test_a_prompt_whose_image_rows_do_not_match_fails_alone(demo_model):
     assert finish.text == scenes.describe_answer(fresh_scene(3))
 
 
+def test_image_rows_short_of_the_placeholders_fail_that_request_alone(demo_model):
+    # The hand-off guard: an encoder (or encode worker) that hands over fewer rows than the
+    # prompt has image positions must fail the request loudly, never shift the text.
+    good = prompt_for(demo_model, scenes.render(fresh_scene(5)))
+    bad = prompt_for(demo_model, scenes.render(fresh_scene(6)))
+    engine = engine_for(demo_model)
+    embedder = engine.runner.embedder
+    image_rows = embedder.image_rows
+
+    def short_rows(seqs):
+        rows = image_rows(seqs)
+        return {key: (value[:-1] if key == bad.image_hashes[0] else value) for key, value in rows.items()}
+
+    embedder.image_rows = short_rows
+
+    async def main():
+        engine.start()
+        try:
+            events = [e async for e in engine.generate(bad, SamplingParams(max_tokens=4))]
+            ok = await collect(engine, good, SamplingParams(max_tokens=40, temperature=0))
+            return events, ok
+        finally:
+            engine.stop()
+
+    events, (_, finish) = asyncio.run(main())
+    assert len(events) == 1 and isinstance(events[0].error, PlaceholderMismatch)
+    assert "63 image embedding rows" in str(events[0].error)
+    assert finish.text == scenes.describe_answer(fresh_scene(5))
+
+
 def test_stop_answers_requests_still_in_flight(demo_model):
     from fovea.engine.paged.engine import EngineStopped
 

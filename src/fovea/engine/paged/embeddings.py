@@ -12,10 +12,12 @@ from collections.abc import Callable
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.image_encoder import ImageEncoder, scatter_image_rows
+from fovea.engine.image_encoder import ImageEncoder
 from fovea.engine.paged.llama import PagedLlama
 from fovea.engine.paged.sequence import Sequence
+from fovea.engine.paged.staging import to_device
 from fovea.model.loader import LoadedModel
+from fovea.model.prompt import PlaceholderMismatch
 
 
 class PromptEmbedder:
@@ -29,12 +31,23 @@ class PromptEmbedder:
         return self.images.rows_for(seq.request.prompt for seq in seqs)
 
     def fill(self, seqs: list[Sequence]) -> None:
-        """Set ``prompt_embeds`` ([prompt_len, hidden]) of each sequence."""
+        """Set ``prompt_embeds`` ([prompt_len, hidden]) of each sequence.
+
+        The image-token positions come from the host's copy of the prompt, so nothing here
+        waits for the GPU (a step may be running): the ids and positions cross in one
+        asynchronous copy and the rows are scattered on the device.
+        """
         images = self.image_rows(seqs)
         device = self.llama.device
         for seq in seqs:
-            ids = torch.tensor(seq.token_ids[:seq.prompt_len], device=device)
-            embeds = self.llama.embed_ids(ids)
+            positions = [i for i, image in enumerate(seq.image_of_pos) if image >= 0]
             rows = [images[key] for key in seq.request.prompt.image_hashes]
-            scatter_image_rows(embeds, ids, rows, self.loaded.image_token_id, seq.request.request_id)
+            supplied = sum(r.shape[0] for r in rows)
+            if supplied != len(positions):
+                raise PlaceholderMismatch(f"request {seq.request.request_id}: {len(positions)} image-token "
+                                          f"positions but {supplied} image embedding rows", status=500)
+            ids, where = to_device(device, [(seq.token_ids[:seq.prompt_len], torch.long), (positions, torch.long)])
+            embeds = self.llama.embed_ids(ids)
+            if rows:
+                embeds[where] = torch.cat(rows).to(embeds.dtype)
             seq.prompt_embeds = embeds

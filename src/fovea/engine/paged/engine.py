@@ -64,6 +64,10 @@ class PagedEngine:
         # Wall seconds of the worker's step phases, summed (where a step's time goes: CPU
         # scheduling, vision, launching the forward, waiting for the GPU, emitting tokens).
         self.phase_seconds = dict.fromkeys(("schedule", "embed", "forward", "sample_wait", "emit"), 0.0)
+        self.queued_seconds = 0.0  # summed time from arrival until the worker took each request
+        # When a list: one (launch seconds, decodes, prefill tokens, prefill chunks) per step,
+        # for benchmarks that look for slow steps. None (the default) records nothing.
+        self.step_trace: list[tuple[float, int, int, int]] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -153,6 +157,7 @@ class PagedEngine:
                     f"{len(prompt.image_hashes)} image(s) of {prompt.tokens_per_image} tokens", status=500)))
                 continue
             self._next_id += 1
+            self.queued_seconds += time.perf_counter() - request.arrival
             self.scheduler.add(Sequence(self._next_id, request, self.loaded.image_token_id,
                                         self.loaded.device, self.loaded.tokenizer))
         return True
@@ -209,7 +214,11 @@ class PagedEngine:
         phases["schedule"] += t1 - t0
         phases["embed"] += t2 - t1
         launched = self._launch(plan) if plan.chunks else None
-        phases["forward"] += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        phases["forward"] += t3 - t2
+        if self.step_trace is not None and plan.chunks:
+            prefill = plan.chunks[plan.num_decodes:]
+            self.step_trace.append((t3 - t2, plan.num_decodes, sum(c.length for c in prefill), len(prefill)))
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
             self.steps_queued_ahead += launched is not None
