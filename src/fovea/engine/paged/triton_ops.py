@@ -113,10 +113,8 @@ def _kernels():
             return [1.0] * len(quantiles) if quantiles else 1.0
         return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
-    @triton.autotune(configs=gemv_configs(), key=["M", "N", "K"], do_bench=quick_bench)
-    @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
     @triton.jit
-    def gemv_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+    def gemv_plain(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr):
         pid = tl.program_id(0)
@@ -142,7 +140,10 @@ def _kernels():
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
-    return add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel, gemv_kernel
+    # The autotuned kernel the engine uses; the plain one takes an explicit launch (sweeps).
+    gemv_kernel = triton.autotune(configs=gemv_configs(), key=["M", "N", "K"], do_bench=quick_bench)(
+        triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(gemv_plain))
+    return add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel, gemv_kernel, gemv_plain
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -195,6 +196,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     grid = lambda meta: (-(-n // meta["BLOCK_N"]),)
     kernel[grid](x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
                  BLOCK_M=max(1, next_pow2(rows)))
+    return y
+
+
+def gemv_launch(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, num_warps: int,
+                num_stages: int) -> torch.Tensor:
+    """``gemv`` with an explicit launch configuration instead of the autotuner's choice."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    _kernels()[4][(-(-n // block_n),)](x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
+                                       BLOCK_M=max(1, next_pow2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+                                       EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages)
     return y
 
 
