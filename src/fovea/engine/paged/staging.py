@@ -28,14 +28,27 @@ def is_pending(token: int) -> bool:
 Layout = list[tuple[torch.dtype, int, int, tuple[int, ...]]]  # (dtype, offset, numel, shape) per array
 
 
+ALIGN_BYTES = 64  # every array starts 64-byte aligned in its buffer
+
+
 def pack(arrays: list[tuple[list, torch.dtype]]) -> tuple[dict[torch.dtype, list[torch.Tensor]], Layout]:
-    """Each array's host tensor, flattened and grouped by dtype, and where each one sits."""
+    """Each array's host tensor, flattened and grouped by dtype, and where each one sits.
+
+    Arrays start at aligned offsets: Triton compiles a kernel variant per pointer alignment,
+    so views at whatever offset the previous arrays' lengths gave would compile new variants
+    (about a second each) while serving.
+    """
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     layout: Layout = []
     for values, dtype in arrays:
         host = torch.tensor(values, dtype=dtype)
         group = groups.setdefault(dtype, [])
-        layout.append((dtype, sum(p.numel() for p in group), host.numel(), tuple(host.shape)))
+        used = sum(p.numel() for p in group)
+        step = max(1, ALIGN_BYTES // host.element_size())
+        if used % step:
+            group.append(torch.zeros(step - used % step, dtype=dtype))
+            used += step - used % step
+        layout.append((dtype, used, host.numel(), tuple(host.shape)))
         group.append(host.reshape(-1))
     return groups, layout
 

@@ -100,7 +100,11 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # Integer arguments that change from step to step (table width, partition-dependent
+    # strides) are not specialized on: each new value would otherwise compile a new variant
+    # (about a second each) in the middle of serving.
+    @triton.jit(do_not_specialize=["part_tokens_arg", "stride_btb", "stride_ab", "stride_ah", "stride_ap",
+                                   "stride_mb", "stride_mh", "stride_mp"])
     def partial_kernel(Q, K, V, BT, CL, O, ACC, ML, qk_scale, part_tokens_arg,
                        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                        stride_vb, stride_vt, stride_vh, stride_btb, stride_ob, stride_oh,
@@ -173,7 +177,8 @@ def _kernels():
                 tl.store(ml, m_i, mask=g_ok)
                 tl.store(ml + 1, l_i, mask=g_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["part_tokens_arg", "num_parts", "stride_ab", "stride_ah", "stride_ap",
+                                   "stride_mb", "stride_mh", "stride_mp"])
     def merge_kernel(ACC, ML, CL, O, part_tokens_arg, num_parts, stride_ab, stride_ah, stride_ap,
                      stride_mb, stride_mh, stride_mp, stride_ob, stride_oh, TILE: tl.constexpr,
                      BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):

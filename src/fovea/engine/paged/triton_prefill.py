@@ -83,7 +83,7 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bts"])  # the table width changes every step: no recompiles
     def prefill_kernel(Q, K, V, O, CU, QS, BT, qk_scale,
                        stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
                        stride_bts,
