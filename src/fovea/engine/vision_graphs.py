@@ -4,12 +4,15 @@ Eagerly, one image through a CLIP ViT-L tower is hundreds of small launches from
 on an H200 that took about 25 ms for 1.5 ms of GPU work, most of a request's time to first
 token. Image sizes are fixed by the processor, so the whole stage replays as one graph per
 batch size; a batch of n images runs in the smallest captured size >= n (the padding rows
-compute on stale pixels and are dropped).
+compute on stale pixels and are dropped). What is captured is ``encode`` (default:
+``encode_images``; the engine may pass the fused stage of ``vision_fused``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -21,7 +24,8 @@ log = logging.getLogger("fovea.engine")
 
 
 class GraphedVision:
-    def __init__(self, loaded: LoadedModel, max_batch: int) -> None:
+    def __init__(self, loaded: LoadedModel, max_batch: int,
+                 encode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         vision = loaded.model.config.vision_config
         size = getattr(vision, "image_size", None)
         if not size:
@@ -29,6 +33,7 @@ class GraphedVision:
         tower, _ = vision_modules(loaded)
         dtype = next(tower.parameters()).dtype
         self.loaded = loaded
+        self.encode = encode if encode is not None else functools.partial(encode_images, loaded)
         self.sizes = capture_sizes(max_batch, max_batch)
         self.input_shape = (getattr(vision, "num_channels", 3), size, size)
         self.pixels = torch.zeros((self.sizes[-1], *self.input_shape), dtype=dtype, device=loaded.device)
@@ -40,11 +45,11 @@ class GraphedVision:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its pool
             inputs = self.pixels[:size]
-            encode_images(self.loaded, inputs)  # warm-up outside the capture
+            self.encode(inputs)  # warm-up outside the capture
             torch.cuda.synchronize(self.loaded.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = encode_images(self.loaded, inputs)
+                out = self.encode(inputs)
             self.graphs[size] = (graph, out)
         torch.cuda.synchronize(self.loaded.device)
         log.info("captured CUDA graphs of the vision stage for batch sizes %s", self.sizes)
@@ -65,10 +70,12 @@ class GraphedVision:
         return out[:n].clone()
 
 
-def try_graphed_vision(loaded: LoadedModel, max_batch: int) -> GraphedVision | None:
-    """Captured graphs, or None (with the reason logged) where capture is not possible."""
+def try_graphed_vision(loaded: LoadedModel, max_batch: int,
+                       encode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> GraphedVision | None:
+    """Captured graphs of ``encode`` (default ``encode_images``), or None (with the reason
+    logged) where capture is not possible."""
     try:
-        graphs = GraphedVision(loaded, max_batch)
+        graphs = GraphedVision(loaded, max_batch, encode)
         graphs.capture()
     except Exception as exc:  # noqa: BLE001 - any failure means: encode eagerly
         log.warning("vision stage runs eagerly: CUDA-graph capture failed (%s: %s)", type(exc).__name__, exc)

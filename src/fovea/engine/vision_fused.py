@@ -1,0 +1,572 @@
+"""A fused forward of the vision stage (CLIP-style tower up to the feature layer + projector).
+
+``fovea.model.vision.encode_images`` runs transformers' CLIP modules layer by layer. On an
+H200 at batch 32 (LLaVA-1.5-7B, ViT-L/14 at 336 px) half of its time goes to memory-bound
+elementwise work outside the matrix products: quick_gelu is three kernels over a
+[tokens, 4096] tensor, each residual add and LayerNorm is its own kernel, and q/k/v are
+three products. Here each layer is
+
+    LayerNorm -> one q/k/v product -> SDPA -> out_proj -> [residual add + LayerNorm]
+    -> fc1 -> [activation] -> fc2 -> [residual add + next layer's LayerNorm]
+
+where the bracketed steps are one Triton kernel each, and the matrix products are cuBLAS's
+(with their bias in the epilogue). The weights are transformers' own: q/k/v are stacked once
+into one tensor and the modules' parameters become views of it (``fuse_rows``), so nothing is
+duplicated and transformers' forward still works. The feature selection and the projector
+are the ones ``encode_images`` uses.
+
+The kernels round where the eager ops round (each eager op's result in the model dtype), so
+the two paths differ only by summation order in the products. ``startup_problem`` compares
+them on the loaded model before the engine trusts this path; ``choose_vision_encoder`` picks
+one. triton is imported lazily. Check against torch and time on a GPU:
+
+    python -m fovea.engine.vision_fused --check [--bench]
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fovea.engine.paged import triton_util
+from fovea.engine.paged.llama import fuse_rows
+from fovea.engine.paged.triton_util import kernel_main, next_pow2
+from fovea.model.loader import LoadedModel
+from fovea.model.vision import encode_images, select_features, vision_modules
+
+log = logging.getLogger("fovea.engine")
+
+QUICK_GELU, GELU = 0, 1  # the activations the fused kernel computes
+ATTENTION_TYPES = {"CLIPAttention", "CLIPSdpaAttention", "CLIPFlashAttention2"}  # 4.x had one per backend
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Relative (Frobenius) error allowed between the fused stage and encode_images: the two paths
+# round alike, but products summed in another order shift a half-precision result by an ulp
+# here and there, and that compounds over 20-odd layers.
+MODEL_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 1e-2}
+# One kernel against the torch op (--check): the same roundings, so only an ulp here and there;
+# bfloat16 gets more because triton's CPU interpreter truncates float32 -> bfloat16.
+KERNEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_layer_norm_kernel(X, R, RES_OUT, W, B, OUT, stride_x, stride_r, stride_ro, stride_o, n_rows, n_cols,
+                              eps, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # ROWS rows per program as one [ROWS, BLOCK] tile: narrow rows get a full-size tile.
+        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        ok = (rows < n_rows) & (cols < n_cols)
+        x = tl.load(X + rows * stride_x + cols, mask=ok, other=0.0)
+        if HAS_RESIDUAL:  # the new residual, rounded to the model dtype as torch's add
+            x = (x.to(tl.float32) + tl.load(R + rows * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+            x = x.to(RES_OUT.dtype.element_ty)
+            tl.store(RES_OUT + rows * stride_ro + cols, x, mask=ok)
+        xf = x.to(tl.float32)
+        mean = tl.sum(xf, axis=1) / n_cols
+        centred = tl.where(ok, xf - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / n_cols + eps)
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        b = tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        # torch's LayerNorm: all in float32, one rounding at the end.
+        y = centred * rstd[:, None] * w + b
+        tl.store(OUT + rows * stride_o + cols, y.to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def activation_kernel(X, Y, n, KIND: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        dt = Y.dtype.element_ty
+        x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+        if KIND == 0:  # quick_gelu is x * sigmoid(1.702 x) as three eager ops: round after each
+            t = (x * 1.702).to(dt).to(tl.float32)
+            s = (1.0 / (1.0 + tl.exp(-t))).to(dt).to(tl.float32)
+            y = x * s
+        else:  # exact GELU, one eager op
+            y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        tl.store(Y + offs, y.to(dt), mask=ok)
+
+    return add_layer_norm_kernel, activation_kernel
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, C] with unit column stride, as the kernel indexes it (a copy only if it is not)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _norm_launch(rows: int, cols: int) -> tuple[tuple[int], dict]:
+    """Grid and tile: about 4096 elements a program (ROWS rows of a narrow width, one row of a
+    wide one)."""
+    block = next_pow2(cols)
+    per_program = max(1, min(16, 4096 // block))
+    warps = 8 if per_program * block >= 4096 else 4
+    return (-(-rows // per_program),), {"ROWS": per_program, "BLOCK": block, "num_warps": warps}
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, C] rows: ``(residual + x, LayerNorm(residual + x))`` in one pass, both new tensors
+    (the old residual stays intact: it may be a hidden state the caller keeps)."""
+    kernel = _kernels()[0]
+    x, residual = _rows(x), _rows(residual)
+    rows, cols = x.shape
+    summed, normed = torch.empty_like(residual), torch.empty_like(x)
+    grid, tile = _norm_launch(rows, cols)
+    kernel[grid](x, residual, summed, weight, bias, normed, x.stride(0), residual.stride(0), summed.stride(0),
+                 normed.stride(0), rows, cols, eps, HAS_RESIDUAL=True, **tile)
+    return summed, normed
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm of [T, C] rows (the same kernel without the add)."""
+    kernel = _kernels()[0]
+    x = _rows(x)
+    rows, cols = x.shape
+    normed = torch.empty_like(x)
+    grid, tile = _norm_launch(rows, cols)
+    kernel[grid](x, x, x, weight, bias, normed, x.stride(0), x.stride(0), x.stride(0), normed.stride(0),
+                 rows, cols, eps, HAS_RESIDUAL=False, **tile)
+    return normed
+
+
+def activation(x: torch.Tensor, kind: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """quick_gelu (``QUICK_GELU``) or exact GELU (``GELU``) of a contiguous tensor; ``out=x``
+    works in place (each element is read before it is written, by the same program)."""
+    assert x.is_contiguous()
+    kernel = _kernels()[1]
+    out = torch.empty_like(x) if out is None else out
+    n = x.numel()
+    block = 4096
+    kernel[(-(-n // block),)](x, out, n, KIND=kind, BLOCK=block, num_warps=8)
+    return out
+
+
+# ---- what the fused path can run -------------------------------------------------------------
+
+def activation_kind(fn: nn.Module) -> int | None:
+    """QUICK_GELU or GELU for transformers' modules of those activations, else None."""
+    name = type(fn).__name__
+    if name == "QuickGELUActivation":
+        return QUICK_GELU
+    if name == "GELUActivation" and getattr(fn, "act", None) is F.gelu:
+        return GELU
+    if isinstance(fn, nn.GELU) and fn.approximate == "none":
+        return GELU
+    return None
+
+
+def hidden_indices(tower: nn.Module, layer: int | list[int]) -> list[int]:
+    """The feature layers as indices into transformers' hidden_states (0: the embeddings)."""
+    total = len(tower.encoder.layers) + 1
+    wanted = [layer] if isinstance(layer, int) else list(layer)
+    indices = [i if i >= 0 else total + i for i in wanted]
+    if not indices or any(not 0 <= i < total for i in indices):
+        raise ValueError(f"vision_feature_layer {layer!r} is outside the tower's {total} hidden states")
+    return indices
+
+
+def _is_layer_norm(module: object) -> bool:
+    return isinstance(module, nn.LayerNorm) and module.weight is not None and module.bias is not None and len(
+        module.normalized_shape) == 1
+
+
+def _layer_problem(block: nn.Module) -> str | None:
+    if type(block).__name__ != "CLIPEncoderLayer":
+        return f"{type(block).__name__} is not a CLIP encoder layer"
+    attn, mlp = block.self_attn, block.mlp
+    if type(attn).__name__ not in ATTENTION_TYPES:
+        return f"attention module {type(attn).__name__} is not CLIP's"
+    if not all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")):
+        return "q/k/v/out projections are not nn.Linear"
+    if attn.num_heads * attn.head_dim != attn.q_proj.out_features:
+        return "heads * head_dim differs from the attention width"
+    if attn.training and attn.dropout:
+        return "attention dropout is active (training mode)"
+    if not (_is_layer_norm(block.layer_norm1) and _is_layer_norm(block.layer_norm2)):
+        return "its norms are not affine LayerNorms"
+    if type(mlp).__name__ != "CLIPMLP" or not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("fc1", "fc2")):
+        return f"MLP {type(mlp).__name__} is not CLIP's fc1 -> activation -> fc2"
+    if activation_kind(mlp.activation_fn) is None:
+        return f"activation {type(mlp.activation_fn).__name__} is not quick_gelu or exact GELU"
+    return None
+
+
+def supports(loaded: LoadedModel) -> str | None:
+    """None if ``FusedVision`` can run this model's vision stage, else why not."""
+    tower, _ = vision_modules(loaded)
+    config = loaded.model.config
+    if not all(hasattr(tower, name) for name in ("embeddings", "pre_layrnorm", "encoder")) or not hasattr(
+            tower.encoder, "layers"):
+        return f"{type(tower).__name__} is not a CLIP-style tower (embeddings, pre_layrnorm, encoder layers)"
+    strategy = config.vision_feature_select_strategy
+    if strategy not in ("default", "full"):
+        return f"vision_feature_select_strategy {strategy!r} is not 'default' or 'full'"
+    try:
+        indices = hidden_indices(tower, config.vision_feature_layer)
+    except ValueError as exc:
+        return str(exc)
+    if not _is_layer_norm(tower.pre_layrnorm):
+        return "pre_layrnorm is not an affine LayerNorm"
+    dtypes = {p.dtype for p in tower.parameters()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in MODEL_TOLERANCE:
+        return f"tower parameters in {sorted(map(str, dtypes))}, not one of float32/bfloat16/float16"
+    for index, block in enumerate(tower.encoder.layers[:max(indices)]):
+        problem = _layer_problem(block)
+        if problem:
+            return f"vision layer {index}: {problem}"
+    return None
+
+
+# ---- the fused forward --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One CLIP layer's tensors (transformers' parameters; qkv is the fused view owner)."""
+
+    ln1: tuple[torch.Tensor, torch.Tensor, float]
+    ln2: tuple[torch.Tensor, torch.Tensor, float]
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    out: nn.Linear
+    fc1: nn.Linear
+    fc2: nn.Linear
+    heads: int
+    head_dim: int
+    scale: float
+    act: int
+
+    @classmethod
+    def of(cls, block: nn.Module) -> LayerWeights:
+        attn = block.self_attn
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        kind = activation_kind(block.mlp.activation_fn)
+        assert kind is not None
+        return cls(_norm(block.layer_norm1), _norm(block.layer_norm2), fuse_rows(projections, "weight"),
+                   fuse_rows(projections, "bias"), attn.out_proj, block.mlp.fc1, block.mlp.fc2, attn.num_heads,
+                   attn.head_dim, float(attn.scale), kind)
+
+
+def _norm(module: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor, float]:
+    return module.weight, module.bias, float(module.eps)
+
+
+def attention(qkv: torch.Tensor, images: int, tokens: int, w: LayerWeights) -> torch.Tensor:
+    """[images * tokens, 3C] fused q/k/v -> [images * tokens, C], bidirectional (no mask)."""
+    q, k, v = qkv.view(images, tokens, 3, w.heads, w.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    out = F.scaled_dot_product_attention(q, k, v, scale=w.scale)
+    return out.transpose(1, 2).reshape(images * tokens, w.heads * w.head_dim)
+
+
+class FusedVision:
+    """``encode_images(loaded, pixels)`` with fused kernels: same shape, dtype and device.
+
+    Building one re-points each run layer's q/k/v parameters at slices of one stacked tensor
+    (values unchanged; transformers' own forward keeps working on them)."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        problem = supports(loaded)
+        if problem:
+            raise ValueError(f"the fused vision stage cannot run this model: {problem}")
+        tower, projector = vision_modules(loaded)
+        config = loaded.model.config
+        self.loaded = loaded
+        self.tower = tower
+        self.projector = projector
+        self.feature_layer = config.vision_feature_layer
+        self.strategy = config.vision_feature_select_strategy
+        self.indices = hidden_indices(tower, self.feature_layer)
+        self.dtype = next(tower.parameters()).dtype
+        self.projector_dtype = next(projector.parameters()).dtype
+        self.pre_norm = _norm(tower.pre_layrnorm)
+        self.layers = [LayerWeights.of(block) for block in tower.encoder.layers[:max(self.indices)]]
+
+    def hidden_states(self, pixels: torch.Tensor) -> list[torch.Tensor]:
+        """The hidden states ``tower_hidden_states`` returns, for the feature layers only."""
+        embedded = self.tower.embeddings(pixels)
+        images, tokens, width = embedded.shape
+        h = layer_norm(embedded.reshape(images * tokens, width), *self.pre_norm)
+        kept = {0: h} if 0 in self.indices else {}
+        x = layer_norm(h, *self.layers[0].ln1) if self.layers else h
+        for index, w in enumerate(self.layers):
+            attended = attention(F.linear(x, w.qkv, w.qkv_bias), images, tokens, w)
+            h, x = add_layer_norm(F.linear(attended, w.out.weight, w.out.bias), h, *w.ln2)
+            hidden = F.linear(x, w.fc1.weight, w.fc1.bias)
+            hidden = activation(hidden, w.act, out=hidden)
+            mlp_out = F.linear(hidden, w.fc2.weight, w.fc2.bias)
+            if index + 1 < len(self.layers):
+                h, x = add_layer_norm(mlp_out, h, *self.layers[index + 1].ln1)
+            else:
+                h = h + mlp_out
+            if index + 1 in self.indices:
+                kept[index + 1] = h
+        return [kept[i].view(images, tokens, width) for i in self.indices]
+
+    @torch.inference_mode()
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[n, 3, H, W] pixels -> [n, tokens_per_image, lm_hidden] embeddings in the LM's dtype."""
+        states = self.hidden_states(pixels.to(device=self.loaded.device, dtype=self.dtype))
+        positions = list(range(len(states))) if isinstance(self.feature_layer, list) else 0
+        features = select_features(states, positions, self.strategy)
+        return self.projector(features.to(self.projector_dtype)).to(self.loaded.dtype)
+
+
+# ---- start-up check and choice -----------------------------------------------------------------
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref|| (Frobenius, in float32); NaN or inf if either is not finite."""
+    got, ref = got.float(), ref.float()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def sample_pixels(loaded: LoadedModel, images: int, seed: int = 0) -> torch.Tensor:
+    """Normalised-looking random pixels of the size the tower takes."""
+    vision = loaded.model.config.vision_config
+    size, channels = vision.image_size, getattr(vision, "num_channels", 3)
+    pixels = torch.randn(images, channels, size, size, generator=torch.Generator().manual_seed(seed))
+    return pixels.to(loaded.device, loaded.dtype)
+
+
+def startup_problem(loaded: LoadedModel, fused: FusedVision | None = None) -> str | None:
+    """Two images through the fused path and through ``encode_images``: None if they agree
+    within the dtype's tolerance, else what went wrong (the engine then encodes eagerly)."""
+    problem = supports(loaded)
+    if problem:
+        return problem
+    try:
+        fused = fused or FusedVision(loaded)
+        pixels = sample_pixels(loaded, 2)
+        got, ref = fused(pixels), encode_images(loaded, pixels)
+    except Exception as exc:  # noqa: BLE001 - any failure means: encode eagerly
+        return f"fused vision stage failed: {type(exc).__name__}: {exc}"
+    if got.shape != ref.shape or got.dtype != ref.dtype or got.device != ref.device:
+        return (f"fused vision stage gave {tuple(got.shape)} {got.dtype} on {got.device}, transformers' "
+                f"{tuple(ref.shape)} {ref.dtype} on {ref.device}")
+    err, tol = relative_error(got, ref), MODEL_TOLERANCE[fused.dtype]
+    if not err <= tol:  # NaN fails too
+        return f"fused vision stage differs from transformers' modules: relative error {err:.2e} > {tol:.0e}"
+    return None
+
+
+def platform_problem(loaded: LoadedModel) -> str | None:
+    """Why the fused kernels cannot run on this machine at all (None: they can)."""
+    if loaded.device.type != "cuda":
+        return f"device {loaded.device} is not CUDA"
+    if not triton_util.available():
+        return "triton is not importable"
+    return None
+
+
+def choose_vision_encoder(loaded: LoadedModel, enabled: bool = True
+                          ) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+    """(the vision stage to run, a label saying which and why): ``FusedVision`` where it runs
+    and agrees with transformers' modules on this model, else ``encode_images``."""
+    eager = functools.partial(encode_images, loaded)
+    if not enabled:
+        return eager, "transformers' modules (fused kernels turned off)"
+    problem = platform_problem(loaded)
+    if problem:
+        log.info("vision stage: transformers' modules (%s)", problem)
+        return eager, f"transformers' modules ({problem})"
+    try:
+        fused = FusedVision(loaded)  # refuses, naming why, a tower it cannot run
+        problem = startup_problem(loaded, fused)
+    except Exception as exc:  # noqa: BLE001 - any failure means: encode eagerly
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        log.warning("vision stage uses transformers' modules, not the fused kernels: %s", problem)
+        return eager, f"transformers' modules ({problem})"
+    log.info("vision stage: fused kernels (checked against transformers' modules)")
+    return fused, "fused (Triton kernels)"
+
+
+# ---- models for --check and --bench -------------------------------------------------------------
+
+def random_llava(vision: dict, text_hidden: int, device: torch.device | str, dtype: torch.dtype,
+                 feature_layer: int | list[int] = -2, strategy: str = "default", seed: int = 0,
+                 weight_std: float | None = None) -> LoadedModel:
+    """A random-weight LLaVA with the CLIP tower ``vision`` (CLIPVisionConfig arguments) and a
+    one-layer language model of width ``text_hidden``. Matrices are N(0, weight_std) (default
+    1/sqrt(fan_in), so activations stay O(1) and every nonlinearity matters), norm scales
+    1 +- 0.1, biases N(0, 0.1)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    text = LlamaConfig(vocab_size=64, hidden_size=text_hidden, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=max(1, text_hidden // 128), max_position_embeddings=4096)
+    config = LlavaConfig(vision_config=CLIPVisionConfig(**vision), text_config=text, image_token_index=63,
+                         projector_hidden_act="gelu", vision_feature_select_strategy=strategy,
+                         vision_feature_layer=feature_layer)
+    device = torch.device(device)
+    with torch.device(device):
+        model = LlavaForConditionalGeneration(config).eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, weight_std or p[0].numel() ** -0.5, generator=gen)  # 1/sqrt(fan_in)
+            elif "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.1, generator=gen)
+            else:
+                p.normal_(0.0, 0.1, generator=gen)
+    model.to(dtype)
+    return LoadedModel(path=Path("."), name="random-llava", model=model, processor=None, device=device, dtype=dtype,
+                       image_token_id=63, image_token="<image>", context_length=4096, load_seconds=0.0)
+
+
+def tiny_vision(hidden_act: str = "quick_gelu", layers: int = 3) -> dict:
+    """A small CLIP tower (32 px, patches of 8: 17 tokens) with odd widths, for checks."""
+    return {"hidden_size": 96, "intermediate_size": 200, "num_hidden_layers": layers, "num_attention_heads": 3,
+            "image_size": 32, "patch_size": 8, "projection_dim": 32, "hidden_act": hidden_act}
+
+
+def llava15_vision() -> dict:
+    """LLaVA-1.5-7B's tower: CLIP ViT-L/14 at 336 px."""
+    return {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+            "image_size": 336, "patch_size": 14, "projection_dim": 768, "hidden_act": "quick_gelu"}
+
+
+def check(device: torch.device, dtypes: list[torch.dtype]) -> float:
+    """Worst error / tolerance over the kernels and the whole stage; prints one line per case."""
+    worst = 0.0
+
+    def report(name: str, err: float, tol: float) -> None:
+        nonlocal worst
+        worst = max(worst, err / tol if err <= tol or err > tol else float("inf"))  # NaN: fails
+        print(f"{name:56s} relative err {err:.2e} (tol {tol:.0e}) {'ok' if err <= tol else 'FAIL'}")
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        kernel_tol = KERNEL_TOLERANCE[dtype]
+        for rows, cols in ((3, 96), (37, 1024), (5, 1000)):
+            x, r = (torch.randn(rows, cols, generator=gen).to(device, dtype) for _ in range(2))
+            w = (1 + 0.1 * torch.randn(cols, generator=gen)).to(device, dtype)
+            b = torch.randn(cols, generator=gen).to(device, dtype)
+            summed, normed = add_layer_norm(x, r, w, b, 1e-5)
+            ref_sum = r + x
+            report(f"{dtype} add_layer_norm sum {rows}x{cols}", relative_error(summed, ref_sum), kernel_tol)
+            report(f"{dtype} add_layer_norm norm {rows}x{cols}",
+                   relative_error(normed, F.layer_norm(ref_sum, (cols,), w, b, 1e-5)), kernel_tol)
+            report(f"{dtype} layer_norm {rows}x{cols}",
+                   relative_error(layer_norm(x, w, b, 1e-6), F.layer_norm(x, (cols,), w, b, 1e-6)), kernel_tol)
+        for numel in (1000, 3 * 4096 + 5):
+            x = (2 * torch.randn(numel, generator=gen)).to(device, dtype)
+            report(f"{dtype} quick_gelu {numel}", relative_error(activation(x, QUICK_GELU), x * torch.sigmoid(1.702 * x)),
+                   kernel_tol)
+            report(f"{dtype} gelu {numel}", relative_error(activation(x, GELU), F.gelu(x)), kernel_tol)
+        for act, layer, strategy in (("quick_gelu", -2, "default"), ("gelu", [-3, -1], "full")):
+            loaded = random_llava(tiny_vision(act), 64, device, dtype, layer, strategy)
+            pixels = sample_pixels(loaded, 3, seed=1)
+            err = relative_error(FusedVision(loaded)(pixels), encode_images(loaded, pixels))
+            report(f"{dtype} stage {act} layer {layer} {strategy}", err, MODEL_TOLERANCE[dtype])
+    return worst
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+def time_cuda(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` over ``reps`` CUDA-event timings after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
+
+
+def matmul_workload(fused: FusedVision, images: int) -> tuple[Callable[[], None], Callable[[], None], float]:
+    """(the stage's matrix products alone, its attention alone, FLOPs of both) at ``images``,
+    on inputs made once, so each time is what cuBLAS / SDPA need on these shapes."""
+    loaded, dev, dt = fused.loaded, fused.loaded.device, fused.dtype
+    vision = loaded.model.config.vision_config
+    tokens = (vision.image_size // vision.patch_size) ** 2 + 1
+    rows, width, inter = images * tokens, vision.hidden_size, vision.intermediate_size
+    x, big = torch.randn(rows, width, device=dev, dtype=dt), torch.randn(rows, inter, device=dev, dtype=dt)
+    qkv = torch.randn(rows, 3 * width, device=dev, dtype=dt)
+    features = torch.randn(images * (tokens - 1), fused.projector.linear_1.in_features, device=dev, dtype=dt)
+    mid = torch.randn(features.shape[0], fused.projector.linear_2.in_features, device=dev, dtype=dt)
+
+    def products() -> None:
+        for w in fused.layers:
+            F.linear(x, w.qkv, w.qkv_bias)
+            F.linear(x, w.out.weight, w.out.bias)
+            F.linear(x, w.fc1.weight, w.fc1.bias)
+            F.linear(big, w.fc2.weight, w.fc2.bias)
+        fused.projector.linear_1(features)
+        fused.projector.linear_2(mid)
+
+    def attend() -> None:
+        for w in fused.layers:
+            attention(qkv, images, tokens, w)
+
+    layer_flops = 2 * rows * width * (4 * width + 2 * inter) + 4 * images * tokens * tokens * width
+    proj = fused.projector
+    proj_flops = 2 * features.shape[0] * (proj.linear_1.in_features * proj.linear_1.out_features
+                                          + proj.linear_2.in_features * proj.linear_2.out_features)
+    return products, attend, len(fused.layers) * layer_flops + proj_flops
+
+
+def matmul_ceiling(device: torch.device, n: int = 8192) -> float:
+    """FLOP/s of one large bf16 matrix product: what the stage's products could reach at best."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n ** 3 / time_cuda(lambda: a @ a)
+
+
+def bench(device: torch.device) -> None:
+    """LLaVA-1.5-7B's vision stage (random bf16 weights): eager vs fused, with and without
+    CUDA graphs, at batch 1 and 32, read against the matrix products alone."""
+    from fovea.engine.vision_graphs import try_graphed_vision
+
+    loaded = random_llava(llava15_vision(), 4096, device, torch.bfloat16, weight_std=0.02)
+    fused = FusedVision(loaded)
+    print("start-up check:", startup_problem(loaded, fused) or "fused agrees with transformers' modules")
+    peak = matmul_ceiling(device)
+    graphed = {"eager": try_graphed_vision(loaded, 32), "fused": try_graphed_vision(loaded, 32, encode=fused)}
+    runs = {"eager": functools.partial(encode_images, loaded), "fused": fused}
+    print(f"bf16 matmul ceiling (8192^3): {peak / 1e12:.0f} TFLOP/s")
+    print(f"{'path':16s}{'batch':>6s}{'ms':>9s}{'img/s':>9s}{'vs eager':>10s}")
+    for images in (1, 32):
+        pixels = sample_pixels(loaded, images, seed=images)
+        base = None
+        for name, run in runs.items():
+            for suffix, fn in (("", run), (" +graph", graphed[name])):
+                if fn is None:
+                    continue
+                seconds = time_cuda(functools.partial(fn, pixels))
+                base = base or seconds
+                print(f"{name + suffix:16s}{images:6d}{1e3 * seconds:9.2f}{images / seconds:9.0f}"
+                      f"{base / seconds:9.2f}x")
+        products, attend, flops = matmul_workload(fused, images)
+        t_mm, t_attn, t_fused = time_cuda(products), time_cuda(attend), time_cuda(functools.partial(fused, pixels))
+        print(f"  matrix products alone {1e3 * t_mm:.2f} ms ({100 * t_mm / t_fused:.0f}% of fused), "
+              f"attention alone {1e3 * t_attn:.2f} ms ({100 * t_attn / t_fused:.0f}%), "
+              f"FLOP floor {images * peak / flops:.0f} img/s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    def check_all(device: torch.device) -> float:
+        dtypes = [torch.float32] if device.type == "cpu" else [torch.float32, torch.bfloat16, torch.float16]
+        return check(device, dtypes)
+
+    return kernel_main(argv, __doc__.split("\n")[0], check_all,
+                       {"bench": ("time eager vs fused on LLaVA-1.5-7B's vision stage (random weights)", bench)})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
