@@ -280,6 +280,23 @@ def main() -> int:
         rows.append(("vision b32 (graph)", "images/s", f"{32 / vis_g:.0f}", f"{32 / hf['vision_s']:.0f}",
                      f"{32 / vis_floor:.0f} (FLOPs)"))
         del graphed
+    # The vision stage the engine picks (fused Triton kernels where they pass their check).
+    from fovea.engine.vision_fused import FusedVision, choose_vision_encoder
+
+    fused, label = choose_vision_encoder(loaded)
+    log(f"vision stage of the engine: {label}")
+    if isinstance(fused, FusedVision):
+        vis_f = time_cuda(lambda: fused(pixels), reps=5 if args.quick else 10)
+        results["vision"]["fovea_fused_images_per_s"] = 32 / vis_f
+        rows.append(("vision b32 (fused)", "images/s", f"{32 / vis_f:.0f}", f"{32 / hf['vision_s']:.0f}",
+                     f"{32 / vis_floor:.0f} (FLOPs)"))
+        graphed = try_graphed_vision(loaded, 32, encode=fused)
+        if graphed is not None:
+            vis_fg = time_cuda(lambda: graphed(pixels), reps=5 if args.quick else 10)
+            results["vision"]["fovea_fused_graphed_images_per_s"] = 32 / vis_fg
+            rows.append(("vision b32 (fused+graph)", "images/s", f"{32 / vis_fg:.0f}",
+                         f"{32 / hf['vision_s']:.0f}", f"{32 / vis_floor:.0f} (FLOPs)"))
+            del graphed
     results["hf"] = hf
 
     for kind in args.engines.split(","):

@@ -6,6 +6,7 @@ the vision tower behave the same whichever engine serves.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -22,12 +23,16 @@ from fovea.model.vision import encode_images
 class ImageEncoder:
     def __init__(self, loaded: LoadedModel, cache: EncoderCache, batch_size: int | None = None,
                  on_vision_seconds: Callable[[float], None] | None = None,
-                 graphs: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 graphs: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 encode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.loaded = loaded
         self.cache = cache
         self.batch_size = batch_size  # None: all new images of a step in one call
         self.on_vision_seconds = on_vision_seconds
         self.graphs = graphs  # a GraphedVision (CUDA), used for the batches it can run
+        # the vision stage for the other batches: encode_images, or e.g. vision_fused.FusedVision
+        self.encode = encode if encode is not None else functools.partial(encode_images, loaded)
+        self._gpu_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (begin, end) not yet reported
 
     def rows_for(self, prompts: Iterable[EncodedPrompt]) -> dict[str, torch.Tensor]:
         """{image hash: [tokens_per_image, hidden]} for every image of ``prompts``."""
@@ -44,22 +49,43 @@ class ImageEncoder:
                     todo[key] = prompt.pixel_values[index]
         keys = list(todo)
         step = self.batch_size or max(1, len(keys))
+        on_cuda = self.loaded.device.type == "cuda"
         for lo in range(0, len(keys), step):
             batch = keys[lo:lo + step]
             started = time.perf_counter()
             pixels = torch.stack([todo[k] for k in batch])
+            if on_cuda and pixels.device.type == "cpu":
+                # Pinned and asynchronous: a language-model step may still be running on the
+                # GPU, and a plain copy would wait for it.
+                pixels = pixels.pin_memory().to(self.loaded.device, non_blocking=True)
+            begin = self._record() if on_cuda else None
             if self.graphs is not None and self.graphs.can_run(pixels):
                 encoded = self.graphs(pixels)
             else:
-                encoded = encode_images(self.loaded, pixels)
-            if self.loaded.device.type == "cuda":
-                torch.cuda.synchronize(self.loaded.device)  # honest timing for the metric
-            if self.on_vision_seconds:
+                encoded = self.encode(pixels)
+            if begin is not None:
+                self._gpu_timings.append((begin, self._record()))
+            elif self.on_vision_seconds:
                 self.on_vision_seconds(time.perf_counter() - started)
             for key, rows in zip(batch, encoded, strict=True):
                 self.cache.put(key, rows)
                 found[key] = rows
+        self._report_finished_timings()
         return found
+
+    @staticmethod
+    def _record() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _report_finished_timings(self) -> None:
+        """On CUDA the vision metric is the stage's GPU time, read from events once they have
+        passed (never waiting for them: that would stall the engine behind a running step)."""
+        while self._gpu_timings and self._gpu_timings[0][1].query():
+            begin, end = self._gpu_timings.pop(0)
+            if self.on_vision_seconds:
+                self.on_vision_seconds(begin.elapsed_time(end) / 1e3)
 
 
 def token_embeddings(loaded: LoadedModel, input_ids: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.vision_latency = Histogram("fovea_vision_encoder_latency_ms",
-                                        "vision tower + projector time per encoded batch (ms)",
+                                        "vision tower + projector time per encoded batch (ms; on a GPU, its GPU time)",
                                         buckets=_MS_BUCKETS, registry=r)
         self.modality_errors = Counter("fovea_modality_mismatch_errors",
                                        "requests refused because an image could not reach the model",

@@ -28,9 +28,9 @@ from fovea.engine.paged.kv_cache import KVCache, KVPlan, KVShape, log_plan, plan
 from fovea.engine.paged.llama import PagedLlama
 from fovea.engine.paged.scheduler import Chunk, StepPlan
 from fovea.engine.paged.staging import resolve_pending, to_device
+from fovea.engine.vision_fused import choose_vision_encoder
 from fovea.engine.vision_graphs import try_graphed_vision
 from fovea.model.loader import LoadedModel
-from fovea.model.vision import encode_images
 
 log = logging.getLogger("fovea.engine.paged")
 
@@ -87,6 +87,11 @@ class ModelRunner:
                  "fused (Triton kernels)" if fused else "torch-op")
         self.embedder = PromptEmbedder(loaded, self.llama, encoder_cache, config.vision_batch_size,
                                        on_vision_seconds)
+        # The vision stage: fused kernels where they pass their start-up check (chosen before
+        # the memory profile, so the profile measures the path that runs).
+        vision_encode, vision_label = choose_vision_encoder(loaded, enabled=fused)
+        self.embedder.images.encode = vision_encode
+        log.info("vision stage: %s", vision_label)
         shape = self.llama.kv_shape(self.block_size)
         self.kv_plan = self._plan(shape)
         log_plan(self.kv_plan)
@@ -94,7 +99,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graphs: GraphedDecode | None = None
         if config.cuda_graphs and getattr(loaded.model.config.vision_config, "image_size", None):
-            self.embedder.images.graphs = try_graphed_vision(loaded, config.vision_batch_size)
+            self.embedder.images.graphs = try_graphed_vision(loaded, config.vision_batch_size, encode=vision_encode)
         if config.cuda_graphs:
             if use_triton:
                 self.graphs = self.build_graphs()
@@ -172,7 +177,7 @@ class ModelRunner:
         if size:
             pixels = torch.zeros((cfg.vision_batch_size, getattr(vision, "num_channels", 3), size, size),
                                  dtype=self.loaded.dtype, device=device)
-            encode_images(self.loaded, pixels)
+            self.embedder.images.encode(pixels)
         return logits
 
     # ---- steps ------------------------------------------------------------------------
