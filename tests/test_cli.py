@@ -57,3 +57,19 @@ def test_max_batched_tokens_reaches_the_paged_engine(demo_model):
     assert app.state.fovea.engine.config.max_num_batched_tokens == 96
     with pytest.raises(ValueError, match="--max-batched-tokens"):
         ServerSettings(max_batched_tokens=0)
+
+
+def test_step_overlap_and_fused_vision_can_be_turned_off(demo_model):
+    from fovea.cli import build_parser
+    from fovea.config import ServerSettings
+    from fovea.serve.app import create_app
+
+    args = build_parser().parse_args(["serve", "--no-step-overlap", "--no-fused-vision"])
+    assert args.no_step_overlap and args.no_fused_vision
+    off = create_app(ServerSettings(device="cpu", dtype="float32", canary=False, step_overlap=False,
+                                    fused_vision=False), loaded=demo_model).state.fovea.engine.config
+    assert off.overlap_steps is False and off.fused_vision is False
+    # By default both follow the device: on for CUDA, and overlap resolves to off on a CPU.
+    default = create_app(ServerSettings(device="cpu", dtype="float32", canary=False),
+                         loaded=demo_model).state.fovea.engine.config
+    assert default.overlap_steps is False and default.fused_vision is None

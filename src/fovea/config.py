@@ -22,6 +22,10 @@ class ServerSettings:
     # Tokens one paged-engine step may compute (prefill chunks + decodes); None: the engine's
     # default (8192 on CUDA, 512 on CPU). Larger: faster bursts, longer gaps between tokens.
     max_batched_tokens: int | None = None
+    # Paged engine on CUDA: queue each step before reading the last one's tokens; run the
+    # vision stage through fused kernels. False turns either off (see docs/engine.md).
+    step_overlap: bool = True
+    fused_vision: bool = True
     max_queue: int = 256
     limit_images_per_prompt: int = 4
     max_body_bytes: int = 32 * 1024 * 1024

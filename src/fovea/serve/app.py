@@ -47,7 +47,9 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     if settings.engine == "paged":
         engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
                                                        max_queue=settings.max_queue,
-                                                       max_num_batched_tokens=settings.max_batched_tokens),
+                                                       max_num_batched_tokens=settings.max_batched_tokens,
+                                                       overlap_steps=None if settings.step_overlap else False,
+                                                       fused_vision=None if settings.fused_vision else False),
                              on_vision_seconds=on_vision)
     else:
         engine = Engine(loaded, EngineConfig(settings.max_batch_size, settings.max_queue), on_vision_seconds=on_vision)

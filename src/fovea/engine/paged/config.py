@@ -31,6 +31,9 @@ class PagedEngineConfig:
     # Fused q/k/v and gate/up products and Triton norm/rotary/activation kernels (CUDA, with
     # the Triton decode). None or True: on wherever the Triton decode is; False: off.
     fused_kernels: bool | None = None
+    # The vision stage's fused kernels (engine/vision_fused.py), checked against transformers'
+    # modules at start-up. None: wherever fused_kernels is on; False: transformers' modules.
+    fused_vision: bool | None = None
     # Queue each step before the previous step's tokens are read back, so the host's work
     # (scheduling, input building, emitting) overlaps the GPU's. None: on CUDA.
     overlap_steps: bool | None = None
