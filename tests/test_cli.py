@@ -59,17 +59,22 @@ def test_max_batched_tokens_reaches_the_paged_engine(demo_model):
         ServerSettings(max_batched_tokens=0)
 
 
-def test_step_overlap_and_fused_vision_can_be_turned_off(demo_model):
+def test_step_overlap_and_fused_vision_are_automatic_or_forced(demo_model):
     from fovea.cli import build_parser
     from fovea.config import ServerSettings
     from fovea.serve.app import create_app
 
-    args = build_parser().parse_args(["serve", "--no-step-overlap", "--no-fused-vision"])
-    assert args.no_step_overlap and args.no_fused_vision
-    off = create_app(ServerSettings(device="cpu", dtype="float32", canary=False, step_overlap=False,
-                                    fused_vision=False), loaded=demo_model).state.fovea.engine.config
-    assert off.overlap_steps is False and off.fused_vision is False
-    # By default both follow the device: on for CUDA, and overlap resolves to off on a CPU.
-    default = create_app(ServerSettings(device="cpu", dtype="float32", canary=False),
-                         loaded=demo_model).state.fovea.engine.config
-    assert default.overlap_steps is False and default.fused_vision is None
+    args = build_parser().parse_args(["serve", "--step-overlap", "on", "--fused-vision", "off"])
+    assert (args.step_overlap, args.fused_vision) == ("on", "off")
+
+    def engine_config(**kw):
+        settings = ServerSettings(device="cpu", dtype="float32", canary=False, **kw)
+        return create_app(settings, loaded=demo_model).state.fovea.engine.config
+
+    forced = engine_config(step_overlap="on", fused_vision="off")
+    assert forced.overlap_steps is True and forced.fused_vision is False
+    # auto: off for a 5 M-parameter model (and on any CPU).
+    auto = engine_config()
+    assert auto.overlap_steps is False and auto.fused_vision is False
+    with pytest.raises(ValueError, match="--step-overlap must be one of auto, on, off"):
+        ServerSettings(step_overlap="yes")

@@ -39,13 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="paged engine: tokens one step may compute, prefill chunks and decodes together "
                             "(default: 8192 on GPU, 512 on CPU); larger speeds up bursts, smaller evens out "
                             "the gaps between streamed tokens")
-    serve.add_argument("--no-step-overlap", action="store_true",
-                       help="paged engine on a GPU: read each step's tokens before queueing the next (the "
-                            "default overlaps them; that pays off when steps take longer than the host's "
-                            "work, e.g. for 7B models, and costs a little for tiny ones)")
-    serve.add_argument("--no-fused-vision", action="store_true",
-                       help="paged engine on a GPU: run the vision stage through transformers' modules "
-                            "instead of fovea's fused kernels")
+    serve.add_argument("--step-overlap", choices=["auto", "on", "off"], default="auto",
+                       help="paged engine: queue each step before reading the last one's tokens (auto: on a "
+                            "GPU for models of 1 B parameters or more, whose steps outlast the host's work)")
+    serve.add_argument("--fused-vision", choices=["auto", "on", "off"], default="auto",
+                       help="paged engine: the vision stage through fovea's fused kernels instead of "
+                            "transformers' modules (auto: as --step-overlap)")
     serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
     serve.add_argument("--limit-images-per-prompt", type=int, default=4)
     serve.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
@@ -131,8 +130,7 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
         served_model_name=args.served_model_name, engine=args.engine,
         max_batch_size=args.max_batch_size or (256 if torch.cuda.is_available() and args.device != "cpu" else 16),
-        max_batched_tokens=args.max_batched_tokens, step_overlap=not args.no_step_overlap,
-        fused_vision=not args.no_fused_vision,
+        max_batched_tokens=args.max_batched_tokens, step_overlap=args.step_overlap, fused_vision=args.fused_vision,
         max_queue=args.max_queue, limit_images_per_prompt=args.limit_images_per_prompt,
         max_body_bytes=args.max_body_bytes, api_key=args.api_key,
         processor_override=args.processor_override, force_processor_override=args.force_processor_override,

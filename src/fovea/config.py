@@ -8,6 +8,9 @@ from typing import Any
 
 from fovea.media.config import MediaConfig
 
+# auto/on/off flags -> the engine's None (decide from device and model) / True / False
+SWITCH: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+
 
 @dataclass(slots=True)
 class ServerSettings:
@@ -22,10 +25,10 @@ class ServerSettings:
     # Tokens one paged-engine step may compute (prefill chunks + decodes); None: the engine's
     # default (8192 on CUDA, 512 on CPU). Larger: faster bursts, longer gaps between tokens.
     max_batched_tokens: int | None = None
-    # Paged engine on CUDA: queue each step before reading the last one's tokens; run the
-    # vision stage through fused kernels. False turns either off (see docs/engine.md).
-    step_overlap: bool = True
-    fused_vision: bool = True
+    # Paged engine: queue each step before reading the last one's tokens; run the vision stage
+    # through fused kernels. "auto": on a GPU for models of 1 B parameters or more (docs/engine.md).
+    step_overlap: str = "auto"
+    fused_vision: str = "auto"
     max_queue: int = 256
     limit_images_per_prompt: int = 4
     max_body_bytes: int = 32 * 1024 * 1024
@@ -48,6 +51,9 @@ class ServerSettings:
             raise ValueError("--max-queue must be at least 1")
         if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
             raise ValueError("--max-batched-tokens must be at least 1")
+        for flag, value in (("--step-overlap", self.step_overlap), ("--fused-vision", self.fused_vision)):
+            if value not in SWITCH:
+                raise ValueError(f"{flag} must be one of auto, on, off, not {value!r}")
         if self.limit_images_per_prompt < 0:
             raise ValueError("--limit-images-per-prompt must be 0 or more")
         if self.max_body_bytes < 1024:

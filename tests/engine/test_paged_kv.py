@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.paged.config import PagedEngineConfig
+from fovea.engine.paged.config import GPU_MODEL_MIN_PARAMETERS, PagedEngineConfig
 from fovea.engine.paged.kv_cache import KVCache, KVShape, plan_num_blocks
 from fovea.engine.paged.model_runner import ModelRunner
 
@@ -76,3 +76,15 @@ def test_config_defaults_depend_on_the_device():
     assert PagedEngineConfig(max_model_len=9999).resolved(torch.device("cpu"), 4096).max_model_len == 4096
     with pytest.raises(ValueError):
         PagedEngineConfig(max_num_seqs=0)
+
+
+def test_step_overlap_and_fused_vision_default_on_only_for_large_models_on_a_gpu():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    big, small = GPU_MODEL_MIN_PARAMETERS, GPU_MODEL_MIN_PARAMETERS - 1
+    on = PagedEngineConfig().resolved(cuda, 4096, big)
+    assert on.overlap_steps is True and on.fused_vision is True
+    for device, params in ((cuda, small), (cpu, big)):
+        off = PagedEngineConfig().resolved(device, 4096, params)
+        assert off.overlap_steps is False and off.fused_vision is False
+    forced = PagedEngineConfig(overlap_steps=True, fused_vision=False).resolved(cuda, 4096, small)
+    assert forced.overlap_steps is True and forced.fused_vision is False

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from fovea import __version__
-from fovea.config import ServerSettings
+from fovea.config import SWITCH, ServerSettings
 from fovea.engine.engine import Engine, EngineConfig
 from fovea.engine.paged import PagedEngine, PagedEngineConfig
 from fovea.errors import FoveaError
@@ -48,8 +48,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
         engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
                                                        max_queue=settings.max_queue,
                                                        max_num_batched_tokens=settings.max_batched_tokens,
-                                                       overlap_steps=None if settings.step_overlap else False,
-                                                       fused_vision=None if settings.fused_vision else False),
+                                                       overlap_steps=SWITCH[settings.step_overlap],
+                                                       fused_vision=SWITCH[settings.fused_vision]),
                              on_vision_seconds=on_vision)
     else:
         engine = Engine(loaded, EngineConfig(settings.max_batch_size, settings.max_queue), on_vision_seconds=on_vision)

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 import torch
 
 MiB = 1024 * 1024
+# Below this size a model's steps are shorter than the host's work per step, and the step
+# overlap and the fused vision stage cost more than they save: on an H200 the 5 M-parameter
+# demo model served 16 closed-loop clients at 520 requests/s with neither, 330 with both,
+# while LLaVA-7B gained 26% in throughput and 22% in vision speed (docs/benchmarks.md).
+GPU_MODEL_MIN_PARAMETERS = 1_000_000_000
 
 
 @dataclass(slots=True)
@@ -32,10 +37,12 @@ class PagedEngineConfig:
     # the Triton decode). None or True: on wherever the Triton decode is; False: off.
     fused_kernels: bool | None = None
     # The vision stage's fused kernels (engine/vision_fused.py), checked against transformers'
-    # modules at start-up. None: wherever fused_kernels is on; False: transformers' modules.
+    # modules at start-up. None: with fused_kernels, for models of at least
+    # GPU_MODEL_MIN_PARAMETERS; False: transformers' modules.
     fused_vision: bool | None = None
     # Queue each step before the previous step's tokens are read back, so the host's work
-    # (scheduling, input building, emitting) overlaps the GPU's. None: on CUDA.
+    # (scheduling, input building, emitting) overlaps the GPU's. None: on CUDA for models of
+    # at least GPU_MODEL_MIN_PARAMETERS (see there).
     overlap_steps: bool | None = None
     vision_batch_size: int = 8  # images per vision-tower call: bounds the encoder's activation peak
     cpu_threads: int | None = None  # as EngineConfig.cpu_threads: all cores but one by default
@@ -49,16 +56,19 @@ class PagedEngineConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be positive")
 
-    def resolved(self, device: torch.device, context_length: int) -> PagedEngineConfig:
-        """A copy with every None default filled in for this device and model."""
+    def resolved(self, device: torch.device, context_length: int, parameters: int = 0) -> PagedEngineConfig:
+        """A copy with every None default filled in for this device and model (``parameters``:
+        the model's parameter count)."""
         cuda = device.type == "cuda"
+        large = cuda and parameters >= GPU_MODEL_MIN_PARAMETERS
         tokens = self.max_num_batched_tokens or (8192 if cuda else 512)
         # A decode takes one token of the step budget, so more sequences than tokens cannot run.
         seqs = min(self.max_num_seqs or (256 if cuda else 16), tokens)
         model_len = min(self.max_model_len or context_length, context_length)
         triton_decode = cuda if self.triton_decode is None else (self.triton_decode and cuda)
         graphs = cuda if self.cuda_graphs is None else (self.cuda_graphs and cuda)
-        overlap = cuda if self.overlap_steps is None else self.overlap_steps
+        overlap = large if self.overlap_steps is None else self.overlap_steps
+        fused_vision = large if self.fused_vision is None else self.fused_vision
         return dataclasses.replace(self, max_num_batched_tokens=tokens, max_num_seqs=seqs,
                                    max_model_len=model_len, triton_decode=triton_decode, cuda_graphs=graphs,
-                                   overlap_steps=overlap)
+                                   overlap_steps=overlap, fused_vision=fused_vision)

@@ -43,7 +43,8 @@ class PagedEngine:
     def __init__(self, loaded: LoadedModel, config: PagedEngineConfig | None = None,
                  on_vision_seconds: Callable[[float], None] | None = None) -> None:
         self.loaded = loaded
-        self.config = (config or PagedEngineConfig()).resolved(loaded.device, loaded.context_length)
+        self.config = (config or PagedEngineConfig()).resolved(
+            loaded.device, loaded.context_length, sum(p.numel() for p in loaded.model.parameters()))
         self.encoder_cache = EncoderCache(self.config.encoder_cache_bytes)
         # Triton launches on the current CUDA device: make it the model's (cuda:1 included).
         with torch.cuda.device(loaded.device) if loaded.device.type == "cuda" else contextlib.nullcontext():

@@ -89,7 +89,7 @@ class ModelRunner:
                                        on_vision_seconds)
         # The vision stage: fused kernels where they pass their start-up check (chosen before
         # the memory profile, so the profile measures the path that runs).
-        vision_encode, vision_label = choose_vision_encoder(loaded, enabled=fused and config.fused_vision is not False)
+        vision_encode, vision_label = choose_vision_encoder(loaded, enabled=fused and bool(config.fused_vision))
         self.embedder.images.encode = vision_encode
         log.info("vision stage: %s", vision_label)
         shape = self.llama.kv_shape(self.block_size)

@@ -54,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         image = scenes.render(scenes.SceneSampler().sample(rng))
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
         prompts.append(encode_prompt(loaded, render_chat(loaded, messages), [image]))
-    engine = PagedEngine(loaded, PagedEngineConfig(max_num_batched_tokens=args.chunk))
+    # The step overlap and the fused vision stage are forced on: the demo model is below the
+    # size where they are on by default, and this check must cover what LLaVA-7B runs.
+    engine = PagedEngine(loaded, PagedEngineConfig(max_num_batched_tokens=args.chunk, overlap_steps=True,
+                                                   fused_vision=True))
     params = SamplingParams(max_tokens=40, temperature=0.0)
 
     async def serve():
