@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from fovea.engine.engine import Engine, EngineConfig
+from fovea.engine.paged import triton_util
 from fovea.engine.request import FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.model.loader import LoadedModel
@@ -117,18 +118,7 @@ def make_prompt(loaded: LoadedModel, seed: int, text_tokens: int = 64) -> Encode
 # ---- ceilings --------------------------------------------------------------------------
 
 def time_cuda(fn, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
+    return triton_util.time_cuda(fn, reps, warmup)
 
 
 def ceilings() -> dict:

@@ -130,22 +130,27 @@ def test_a_full_queue_refuses_with_429(demo_model):
     assert asyncio.run(main()).status == 429
 
 
+def bad_then_good(engine, bad, good):
+    """The events of ``bad``, then the finish of ``good`` on the same engine (still serving)."""
+    async def main():
+        engine.start()
+        try:
+            events = [e async for e in engine.generate(bad, SamplingParams(max_tokens=4))]
+            _, finish = await collect(engine, good, SamplingParams(max_tokens=40, temperature=0))
+            return events, finish
+        finally:
+            engine.stop()
+
+    return asyncio.run(main())
+
+
 def test_a_prompt_whose_image_rows_do_not_match_fails_alone(demo_model):
     good = prompt_for(demo_model, scenes.render(fresh_scene(3)))
     bad = prompt_for(demo_model, scenes.render(fresh_scene(4)))
     bad.tokens_per_image -= 1
     engine = engine_for(demo_model)
 
-    async def main():
-        engine.start()
-        try:
-            events = [e async for e in engine.generate(bad, SamplingParams(max_tokens=4))]
-            ok = await collect(engine, good, SamplingParams(max_tokens=40, temperature=0))
-            return events, ok
-        finally:
-            engine.stop()
-
-    events, (_, finish) = asyncio.run(main())
+    events, finish = bad_then_good(engine, bad, good)
     assert len(events) == 1 and isinstance(events[0].error, PlaceholderMismatch)
     assert finish.text == scenes.describe_answer(fresh_scene(3))
 
@@ -165,16 +170,7 @@ def test_image_rows_short_of_the_placeholders_fail_that_request_alone(demo_model
 
     embedder.image_rows = short_rows
 
-    async def main():
-        engine.start()
-        try:
-            events = [e async for e in engine.generate(bad, SamplingParams(max_tokens=4))]
-            ok = await collect(engine, good, SamplingParams(max_tokens=40, temperature=0))
-            return events, ok
-        finally:
-            engine.stop()
-
-    events, (_, finish) = asyncio.run(main())
+    events, finish = bad_then_good(engine, bad, good)
     assert len(events) == 1 and isinstance(events[0].error, PlaceholderMismatch)
     assert "63 image embedding rows" in str(events[0].error)
     assert finish.text == scenes.describe_answer(fresh_scene(5))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from torch import nn
 
 from fovea.engine.paged import triton_util
 from fovea.engine.paged.llama import fuse_rows
-from fovea.engine.paged.triton_util import kernel_main, next_pow2
+from fovea.engine.paged.triton_util import kernel_main, next_pow2, time_cuda
 from fovea.model.loader import LoadedModel
 from fovea.model.vision import encode_images, select_features, vision_modules
 
@@ -473,22 +472,6 @@ def check(device: torch.device, dtypes: list[torch.dtype]) -> float:
 
 
 # ---- timing ----------------------------------------------------------------------------------
-
-def time_cuda(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> float:
-    """Median seconds of ``fn`` over ``reps`` CUDA-event timings after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return statistics.median(times)
-
 
 def matmul_workload(fused: FusedVision, images: int) -> tuple[Callable[[], None], Callable[[], None], float]:
     """(the stage's matrix products alone, its attention alone, FLOPs of both) at ``images``,

@@ -7,6 +7,7 @@ CI), and the kernels are used only where ``available()`` says so.
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -59,3 +60,19 @@ def kernel_main(argv: list[str] | None, description: str, check: Callable[[torch
     for run in chosen:
         run(device)
     return status
+
+
+def time_cuda(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` over ``reps`` CUDA-event timings after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return statistics.median(times)
