@@ -195,10 +195,11 @@ class PagedEngine:
     def step(self) -> None:
         """One scheduling step: at most one forward.
 
-        On CUDA the step is queued one ahead: its forward and sampling are launched, then the
-        previous step's tokens are read back and emitted while the GPU runs this one. Decodes
-        whose input token is still on the device read it there (``staging.pending_token``).
-        A sequence that the previous step finished has one wasted row in this step.
+        With ``overlap_steps`` the step is queued one ahead: its forward and sampling are
+        launched, then the previous step's tokens are read back and emitted while the GPU runs
+        this one. Decodes whose input token is still on the device read it there
+        (``staging.pending_token``). A sequence that the previous step finished has one wasted
+        row in this step. Without it, each step's tokens are read right after its launch.
         """
         phases, t0 = self.phase_seconds, time.perf_counter()
         for seq in self.scheduler.all_sequences():
