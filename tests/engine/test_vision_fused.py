@@ -170,7 +170,7 @@ def test_choose_vision_encoder_keeps_transformers_modules_off_cuda(demo_model):
     encode, label = choose_vision_encoder(demo_model)
     assert isinstance(encode, functools.partial) and encode.func is encode_images and encode.args == (demo_model,)
     assert "not CUDA" in label
-    assert "turned off" in choose_vision_encoder(demo_model, enabled=False)[1]
+    assert "not enabled" in choose_vision_encoder(demo_model, enabled=False)[1]
 
 
 def test_the_image_encoder_runs_the_encode_it_is_given(demo_model):

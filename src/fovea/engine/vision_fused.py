@@ -373,7 +373,8 @@ def choose_vision_encoder(loaded: LoadedModel, enabled: bool = True
     and agrees with transformers' modules on this model, else ``encode_images``."""
     eager = functools.partial(encode_images, loaded)
     if not enabled:
-        return eager, "transformers' modules (fused kernels turned off)"
+        return eager, ("transformers' modules (the fused stage is not enabled: it needs a GPU, triton and, "
+                       "unless --fused-vision on, a model of 1 B parameters or more)")
     problem = platform_problem(loaded)
     if problem:
         log.info("vision stage: transformers' modules (%s)", problem)
