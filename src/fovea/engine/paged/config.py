@@ -11,7 +11,7 @@ MiB = 1024 * 1024
 # Below this size a model's steps are shorter than the host's work per step, and the step
 # overlap and the fused vision stage cost more than they save: on an H200 the 5 M-parameter
 # demo model served 16 closed-loop clients at 520 requests/s with neither, 330 with both,
-# while LLaVA-7B gained 26% in throughput and 22% in vision speed (docs/benchmarks.md).
+# while LLaVA-7B gained about 25% in throughput and 22% in vision speed (docs/benchmarks.md).
 GPU_MODEL_MIN_PARAMETERS = 1_000_000_000
 
 
