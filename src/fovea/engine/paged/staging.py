@@ -21,13 +21,7 @@ def pending_token(row: int) -> int:
     return -1 - row
 
 
-def is_pending(token: int) -> bool:
-    return token < 0
-
-
 Layout = list[tuple[torch.dtype, int, int, tuple[int, ...]]]  # (dtype, offset, numel, shape) per array
-
-
 ALIGN_BYTES = 64  # every array starts 64-byte aligned in its buffer
 
 
