@@ -105,12 +105,17 @@ def scatter_image_rows(embeds: torch.Tensor, input_ids: torch.Tensor, rows: list
     The prompt's counts were checked when it was built; this guards the hand-off itself.
     """
     positions = (input_ids == image_token_id).nonzero().squeeze(1)
-    supplied = sum(r.shape[0] for r in rows)
-    if supplied != positions.numel():
-        raise PlaceholderMismatch(f"request {request_id}: {positions.numel()} image-token positions but "
-                                  f"{supplied} image embedding rows", status=500)
+    check_image_row_count(positions.numel(), rows, request_id)
     if rows:
         embeds[positions] = torch.cat(rows).to(embeds.dtype)
+
+
+def check_image_row_count(positions: int, rows: list[torch.Tensor], request_id: str) -> None:
+    """The hand-off guard: as many image rows as the prompt has image-token positions."""
+    supplied = sum(r.shape[0] for r in rows)
+    if supplied != positions:
+        raise PlaceholderMismatch(f"request {request_id}: {positions} image-token positions but "
+                                  f"{supplied} image embedding rows", status=500)
 
 
 def start_worker(target: Callable[[], None], name: str, device: torch.device,

@@ -12,12 +12,11 @@ from collections.abc import Callable
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.image_encoder import ImageEncoder
+from fovea.engine.image_encoder import ImageEncoder, check_image_row_count
 from fovea.engine.paged.llama import PagedLlama
 from fovea.engine.paged.sequence import Sequence
 from fovea.engine.paged.staging import to_device
 from fovea.model.loader import LoadedModel
-from fovea.model.prompt import PlaceholderMismatch
 
 
 class PromptEmbedder:
@@ -42,10 +41,7 @@ class PromptEmbedder:
         for seq in seqs:
             positions = [i for i, image in enumerate(seq.image_of_pos) if image >= 0]
             rows = [images[key] for key in seq.request.prompt.image_hashes]
-            supplied = sum(r.shape[0] for r in rows)
-            if supplied != len(positions):
-                raise PlaceholderMismatch(f"request {seq.request.request_id}: {len(positions)} image-token "
-                                          f"positions but {supplied} image embedding rows", status=500)
+            check_image_row_count(len(positions), rows, seq.request.request_id)
             ids, where = to_device(device, [(seq.token_ids[:seq.prompt_len], torch.long), (positions, torch.long)])
             embeds = self.llama.embed_ids(ids)
             if rows:
