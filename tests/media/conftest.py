@@ -88,7 +88,7 @@ def _handler(server: ImageServer) -> type[http.server.BaseHTTPRequestHandler]:
                 for _ in range(64):
                     self.wfile.write(b"\x00" * 4096)
             elif path == "/slow":
-                time.sleep(0.6)
+                time.sleep(2.0)  # far past the tests' 0.2 s deadline, so a missing deadline is plain
                 self.send(200, server.png)
             else:
                 self.send(404)

@@ -169,7 +169,7 @@ def test_fifo_is_refused_without_blocking(file_resolver: MediaResolver, media_tr
     start = time.monotonic()
     exc = refusal(file_resolver.load_bytes, f"file://{media_tree['allowed']}/pipe.png")
     assert type(exc) is MediaFetchFailed
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < 10  # a blocking open would never return; slack for a loaded CI machine
 
 
 def test_file_over_byte_cap_is_413(media_tree: dict[str, Path]) -> None:
@@ -318,7 +318,7 @@ def test_fetch_timeout(image_server) -> None:
                          fetch_timeout_s=0.2)
     start = time.monotonic()
     exc = refusal(make(config).load_bytes, image_server.url("/slow"))
-    assert time.monotonic() - start < 0.6
+    assert time.monotonic() - start < 1.5  # /slow answers after 2 s; slack for a loaded CI machine
     assert type(exc) is MediaFetchFailed and "0.2 s" in exc.message
 
 
