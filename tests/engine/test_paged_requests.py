@@ -1,7 +1,7 @@
 """PagedEngine's request contract: stop strings, length, seeds, cancellation, limits, errors."""
 
 import asyncio
-import time
+import threading
 
 import pytest
 import torch
@@ -22,6 +22,23 @@ def engine_for(model, **kw):
 
 # Each step queued before the previous step's tokens are read (the CUDA default) or after.
 overlap_modes = pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+
+
+def hold_steps_until(engine, release: threading.Event, after_steps: int = 2) -> list[int]:
+    """From step ``after_steps + 1`` on, each model step waits for ``release``: the request cannot
+    run ahead of the test, so whatever the test does after the first token lands mid-stream.
+    Two free steps let the first token out with or without step overlap. Returns the live step count."""
+    execute = engine.runner.execute
+    steps = [0]
+
+    def held(plan, previous=None):
+        steps[0] += 1
+        if steps[0] > after_steps:
+            assert release.wait(timeout=60), "the test never released the engine"
+        return execute(plan, previous)
+
+    engine.runner.execute = held
+    return steps
 
 
 @overlap_modes
@@ -74,9 +91,8 @@ def test_first_logprobs_are_the_prompts_next_token_distribution(demo_model, over
 def test_a_consumer_that_stops_listening_cancels_and_frees_its_blocks(demo_model, overlap):
     prompt = prompt_for(demo_model, scenes.render(fresh_scene(320)))
     engine = engine_for(demo_model, num_blocks=64, overlap_steps=overlap)
-    execute = engine.runner.execute
-    # steps slow enough to cancel
-    engine.runner.execute = lambda plan, previous=None: (time.sleep(0.03), execute(plan, previous))[1]
+    closed = threading.Event()
+    steps = hold_steps_until(engine, closed)
     reasons = []
     finish = engine._finish
     engine._finish = lambda seq, reason: (reasons.append(reason), finish(seq, reason))
@@ -89,6 +105,7 @@ def test_a_consumer_that_stops_listening_cancels_and_frees_its_blocks(demo_model
                 assert isinstance(event, TokenEvent)
                 break
             await stream.aclose()  # as when an HTTP client disconnects
+            closed.set()
             for _ in range(200):
                 if not engine.scheduler.has_work():
                     break
@@ -98,6 +115,7 @@ def test_a_consumer_that_stops_listening_cancels_and_frees_its_blocks(demo_model
 
     asyncio.run(main())
     assert reasons == ["cancelled"]
+    assert steps[0] < 100, "the request ran to max_tokens: nothing was cancelled"
     assert engine.block_manager.num_free == 64
 
 
@@ -181,8 +199,7 @@ def test_stop_answers_requests_still_in_flight(demo_model):
 
     prompt = prompt_for(demo_model, scenes.render(fresh_scene(330)))
     engine = engine_for(demo_model)
-    execute = engine.runner.execute
-    engine.runner.execute = lambda plan, previous=None: (time.sleep(0.05), execute(plan, previous))[1]
+    hold_steps_until(engine, engine._stopping)  # the request is mid-stream when stop() is called
 
     async def main():
         engine.start()
