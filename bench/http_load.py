@@ -183,7 +183,8 @@ def main() -> int:
             "tok_per_s": sum(s.tokens for s in samples) / wall_s if wall_s else float("nan"),
         }
 
-    rows = [row("single", single, None), row(f"concurrent x{args.concurrency}", loaded, wall)]
+    rows = [row(name, samples, wall_s) for name, samples, wall_s in
+            (("single", single, None), (f"concurrent x{args.concurrency}", loaded, wall)) if samples]
     keys = list(rows[0])
     print(" | ".join(f"{k:>15}" for k in keys))
     for r in rows:

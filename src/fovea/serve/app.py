@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -22,9 +21,10 @@ from fovea.model.loader import LoadedModel, load_model
 from fovea.serve.body_limit import BodyLimitMiddleware
 from fovea.serve.chat import make_chat_router
 from fovea.serve.completions import make_completions_router
-from fovea.serve.error_handlers import error_body, install_error_handlers
+from fovea.serve.error_handlers import install_error_handlers
 from fovea.serve.images_api import make_images_router
 from fovea.serve.metrics import Metrics
+from fovea.serve.request_gate import RequestGate
 from fovea.serve.state import ServerState
 
 log = logging.getLogger("fovea.serve")
@@ -43,7 +43,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
         log.warning("%s: %s", loaded.name, note)
     # The gauges read the engine lazily, so the metrics can exist before the engine they watch.
     metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses))
-    on_vision = lambda s: metrics.vision_latency.observe(1000 * s)  # noqa: E731
+    on_vision = lambda s: metrics.vision_latency.observe(1000 * s)
     if settings.engine == "paged":
         engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
                                                        max_queue=settings.max_queue,
@@ -71,7 +71,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             await asyncio.sleep(settings.canary_interval_s)
             try:
                 await run_canary()
-            except Exception:  # noqa: BLE001 - a broken canary run must not stop serving
+            except Exception:  # a broken canary run must not stop serving
                 log.exception("grounding canary run failed")
 
     @asynccontextmanager
@@ -100,21 +100,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     app.state.fovea = state
     install_error_handlers(app, on_error_code=metrics.observe_error_code)
 
-    @app.middleware("http")
-    async def limits_auth_and_counts(request: Request, call_next):
-        response = await _guarded(request, call_next)
-        route = request.scope.get("route")
-        metrics.requests.labels(route=getattr(route, "path", "unmatched"), status=str(response.status_code)).inc()
-        return response
-
-    async def _guarded(request: Request, call_next):
-        if settings.api_key and request.url.path != "/health":
-            supplied = request.headers.get("authorization", "")
-            if not hmac.compare_digest(supplied.encode(), f"Bearer {settings.api_key}".encode()):
-                return JSONResponse(error_body(
-                    "a valid API key is required: send 'Authorization: Bearer <key>'.", "invalid_api_key"),
-                    status_code=401)
-        return await call_next(request)
+    app.add_middleware(RequestGate, api_key=settings.api_key,
+                       count=lambda route, status: metrics.requests.labels(route=route, status=str(status)).inc())
 
     @app.get("/health")
     async def health():
