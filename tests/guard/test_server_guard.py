@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import torch
+from scene_helpers import data_url, free_port, fresh_scene, start_server, stop_server
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from fovea.config import ServerSettings
 from fovea.demo import scenes
 from fovea.model.loader import load_model
 from fovea.model.vision import vision_modules
-from scene_helpers import data_url, free_port, fresh_scene, start_server, stop_server
 
 
 def settings(**kw) -> ServerSettings:
@@ -76,7 +78,7 @@ def test_metrics_are_scraped_after_traffic(guarded):
 def test_the_encoder_cache_encodes_a_repeated_image_once(guarded):
     def counts():
         text = httpx.get(guarded + "/metrics").text
-        get = lambda name: next(float(l.split()[1]) for l in text.splitlines() if l.startswith(name + " "))  # noqa: E731,E741
+        get = lambda name: next(float(l.split()[1]) for l in text.splitlines() if l.startswith(name + " "))
         return get("fovea_encoder_cache_hits_total"), get("fovea_encoder_cache_misses_total")
 
     image = scenes.render(fresh_scene(33))
@@ -108,11 +110,23 @@ def test_blind_model_degrades_health_and_strict_answers_503():
         stop_server(server, thread)
 
 
+# uvicorn's thread ends with SystemExit when the app's start-up fails: that is the refusal.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_strict_refuses_to_start_with_a_blind_model():
+    from fovea.serve.app import CanaryFailed, create_app
+
     loaded = load_model(None, device="cpu", dtype="float32")
     with torch.no_grad():
         for p in vision_modules(loaded)[1].parameters():
             p.zero_()
+
+    async def start_up() -> None:
+        app = create_app(settings(strict=True), loaded)
+        async with app.router.lifespan_context(app):
+            pass
+
+    with pytest.raises(CanaryFailed, match="--strict: the grounding canary failed at start-up"):
+        asyncio.run(start_up())
     with pytest.raises(RuntimeError, match="did not start"):
         start_server(settings(strict=True), loaded)
 
