@@ -38,7 +38,7 @@ from torch import nn
 
 from fovea.engine.paged import triton_util
 from fovea.engine.paged.llama import fuse_rows
-from fovea.engine.paged.triton_util import kernel_main, next_pow2, time_cuda
+from fovea.engine.paged.triton_util import check_dtypes, kernel_main, next_pow2, time_cuda
 from fovea.model.loader import LoadedModel
 from fovea.model.vision import encode_images, select_features, vision_modules
 
@@ -544,11 +544,7 @@ def bench(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def check_all(device: torch.device) -> float:
-        dtypes = [torch.float32] if device.type == "cpu" else [torch.float32, torch.bfloat16, torch.float16]
-        return check(device, dtypes)
-
-    return kernel_main(argv, __doc__.split("\n")[0], check_all,
+    return kernel_main(argv, __doc__.split("\n")[0], lambda device: check(device, check_dtypes(device)),
                        {"bench": ("time eager vs fused on LLaVA-1.5-7B's vision stage (random weights)", bench)})
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fovea.engine.paged.triton_util import kernel_main, next_pow2
+from fovea.engine.paged.triton_util import check_dtypes, kernel_main, next_pow2
 
 PARTITION_TOKENS = 512  # kept for callers that pass it explicitly; the default is automatic
 TILE_TOKENS = 64  # context tokens per loop iteration (4 blocks of 16)
@@ -319,9 +319,8 @@ def check(device: torch.device | None = None) -> float:
         (3, 8, 2, 64, 16, 700, None, 512), (3, 8, 2, 64, 16, 300, 48, 16),
         (2, 8, 4, 64, 8, 250, 40, 100), (3, 8, 2, 64, 16, 700, None, 4096),
     ]
-    dtypes = [torch.float32] if device.type == "cpu" else [torch.float16, torch.bfloat16, torch.float32]
     sms = _device_sms(device)
-    for dtype in dtypes:
+    for dtype in check_dtypes(device):
         for i, (b, h, kvh, d, bs, ctx, width, pt) in enumerate(cases):
             q, kc, vc, bt, cl = random_case(b, h, kvh, d, bs, ctx, dtype, device, seed=i, width=width)
             ref_bt = bt

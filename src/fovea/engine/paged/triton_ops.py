@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.paged.triton_util import kernel_main, next_pow2
+from fovea.engine.paged.triton_util import check_dtypes, kernel_main, next_pow2
 
 log = logging.getLogger("fovea.engine.paged")
 
@@ -362,11 +362,7 @@ def bench(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def check_all(device: torch.device) -> float:
-        dtypes = [torch.float32] if device.type == "cpu" else [torch.float32, torch.bfloat16, torch.float16]
-        return check(device, dtypes)
-
-    return kernel_main(argv, __doc__.split("\n")[0], check_all,
+    return kernel_main(argv, __doc__.split("\n")[0], lambda device: check(device, check_dtypes(device)),
                        {"bench": ("time the matrix-vector kernel vs cuBLAS", bench)})
 
 

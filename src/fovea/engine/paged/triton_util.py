@@ -41,6 +41,12 @@ def run_check(device: torch.device, check: Callable[[torch.device], float]) -> i
     return 0 if worst <= 1.0 else 1
 
 
+def check_dtypes(device: torch.device) -> list[torch.dtype]:
+    """The dtypes a kernel's ``--check`` covers: float32 on the CPU (triton's interpreter), all
+    three on a GPU."""
+    return [torch.float32] if device.type == "cpu" else [torch.float32, torch.bfloat16, torch.float16]
+
+
 def kernel_main(argv: list[str] | None, description: str, check: Callable[[torch.device], float],
                 timings: dict[str, tuple[str, Callable[[torch.device], None]]]) -> int:
     """The command line of a kernel module: ``--check`` (against torch) and one flag per
