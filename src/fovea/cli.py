@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from fovea.cli_types import byte_size, fraction, port, positive_int
 from fovea.errors import FoveaError
 
 
@@ -20,6 +21,30 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
 
 
+def _non_negative_int(text: str) -> int:
+    return 0 if text.strip() == "0" else positive_int(text)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def _memory_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu-memory-utilization", type=fraction, default=None,
+                        help="share of the GPU's total memory this process may hold (default 0.9); on a GPU "
+                             "that others use, what is free limits it further (docs/memory.md)")
+    parser.add_argument("--kv-cache-memory", type=byte_size, default=None,
+                        help="exact KV-cache size, e.g. 40GiB, instead of what --gpu-memory-utilization leaves")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="longest sequence (prompt + answer) served (default: the model's context length)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fovea", description="Serve vision-language models; never ignore the image.")
     parser.add_argument("--log-level", default=os.environ.get("FOVEA_LOG_LEVEL", "info"))
@@ -28,14 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _model_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=port, default=8000)
     serve.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
     serve.add_argument("--engine", choices=["paged", "simple"], default="paged",
                        help="paged: continuous batching over a paged KV cache (default); simple: static batches "
                             "through transformers' forward")
-    serve.add_argument("--max-batch-size", type=int, default=None,
+    serve.add_argument("--max-batch-size", type=positive_int, default=None,
                        help="sequences decoded together (default: 256 on GPU, 16 on CPU)")
-    serve.add_argument("--max-batched-tokens", type=int, default=None,
+    serve.add_argument("--max-batched-tokens", type=positive_int, default=None,
                        help="paged engine: tokens one step may compute, prefill chunks and decodes together "
                             "(default: 8192 on GPU, 512 on CPU); larger speeds up bursts, smaller evens out "
                             "the gaps between streamed tokens")
@@ -45,9 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--fused-vision", choices=["auto", "on", "off"], default="auto",
                        help="paged engine: the vision stage through fovea's fused kernels instead of "
                             "transformers' modules (auto: as --step-overlap)")
-    serve.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 429")
-    serve.add_argument("--limit-images-per-prompt", type=int, default=4)
-    serve.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024)
+    _memory_args(serve)
+    serve.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests beyond this get 429")
+    serve.add_argument("--limit-images-per-prompt", type=_non_negative_int, default=4)
+    serve.add_argument("--max-body-bytes", type=byte_size, default=32 * 1024 * 1024)
     serve.add_argument("--api-key", default=os.environ.get("FOVEA_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on every route but /health (env FOVEA_API_KEY)")
     serve.add_argument("--allowed-media-dir", action="append", default=[], type=Path,
@@ -60,18 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help='JSON fields to change in the image processor, e.g. \'{"resample": 2}\'')
     serve.add_argument("--force-processor-override", action="store_true",
                        help="allow an override that changes normalisation (reported in /health)")
-    serve.add_argument("--canary-interval", type=float, default=600.0,
+    serve.add_argument("--canary-interval", type=_non_negative_float, default=600.0,
                        help="seconds between grounding-canary runs (0: only at start-up)")
     serve.add_argument("--no-canary", action="store_true", help="skip the grounding canary")
     serve.add_argument("--strict", action="store_true",
                        help="refuse to start if the canary fails; /health answers 503 while degraded")
-    serve.add_argument("--max-image-bytes", type=int, default=None)
-    serve.add_argument("--max-image-pixels", type=int, default=None)
+    serve.add_argument("--max-image-bytes", type=byte_size, default=None,
+                       help="largest encoded image accepted (default 20 MiB)")
+    serve.add_argument("--max-image-pixels", type=positive_int, default=None,
+                       help="largest image accepted, in pixels (default 40,000,000)")
 
     chat = sub.add_parser("chat", help="answer one question about one or more images and exit")
     _model_args(chat)
     chat.add_argument("--image", action="append", default=[], type=Path, help="image file (repeatable)")
-    chat.add_argument("--max-tokens", type=int, default=None)
+    chat.add_argument("--max-tokens", type=positive_int, default=None)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("question")
@@ -81,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--device", default="auto")
     doctor.add_argument("--dtype", default="auto")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("--max-batch-size", type=positive_int, default=None, help="as for serve (sizes the memory plan)")
+    doctor.add_argument("--max-batched-tokens", type=positive_int, default=None, help="as for serve")
+    _memory_args(doctor)
 
     sub.add_parser("eval-demo", help="held-out accuracy of a model on shape scenes (see --help)", add_help=False)
     sub.add_parser("train-demo", help="train the demo model (see --help)", add_help=False)
@@ -115,33 +146,35 @@ def main(argv: list[str] | None = None) -> int:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    import torch
-
     from fovea.config import ServerSettings
     from fovea.media.config import MediaConfig
     from fovea.serve.app import create_app
 
     media_kwargs = {}
-    if args.max_image_bytes:
+    if args.max_image_bytes is not None:
         media_kwargs["max_image_bytes"] = args.max_image_bytes
-    if args.max_image_pixels:
+    if args.max_image_pixels is not None:
         media_kwargs["max_image_pixels"] = args.max_image_pixels
-    settings = ServerSettings(
-        model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-        served_model_name=args.served_model_name, engine=args.engine,
-        max_batch_size=args.max_batch_size or (256 if torch.cuda.is_available() and args.device != "cpu" else 16),
-        max_batched_tokens=args.max_batched_tokens, step_overlap=args.step_overlap, fused_vision=args.fused_vision,
-        max_queue=args.max_queue, limit_images_per_prompt=args.limit_images_per_prompt,
-        max_body_bytes=args.max_body_bytes, api_key=args.api_key,
-        processor_override=args.processor_override, force_processor_override=args.force_processor_override,
-        canary=not args.no_canary, canary_interval_s=args.canary_interval, strict=args.strict,
-        media=MediaConfig(
-            allowed_media_dirs=tuple(args.allowed_media_dir),
-            allowed_media_domains=tuple(args.allowed_media_domains),
-            allow_private_addresses=args.allow_private_media_addresses,
-            **media_kwargs,
-        ),
-    )
+    try:
+        settings = ServerSettings(
+            model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+            served_model_name=args.served_model_name, engine=args.engine, max_batch_size=args.max_batch_size,
+            max_batched_tokens=args.max_batched_tokens, step_overlap=args.step_overlap,
+            fused_vision=args.fused_vision, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+            max_queue=args.max_queue, limit_images_per_prompt=args.limit_images_per_prompt,
+            max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+            processor_override=args.processor_override, force_processor_override=args.force_processor_override,
+            canary=not args.no_canary, canary_interval_s=args.canary_interval, strict=args.strict,
+            media=MediaConfig(
+                allowed_media_dirs=tuple(args.allowed_media_dir),
+                allowed_media_domains=tuple(args.allowed_media_domains),
+                allow_private_addresses=args.allow_private_media_addresses,
+                **media_kwargs,
+            ),
+        )
+    except ValueError as exc:  # a combination of flags that cannot work: one line, no traceback
+        raise FoveaError(str(exc)) from None
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level.lower())
     return 0

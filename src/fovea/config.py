@@ -21,7 +21,7 @@ class ServerSettings:
     dtype: str = "auto"
     served_model_name: str | None = None
     engine: str = "paged"  # "paged": continuous batching over a paged KV cache; "simple": static batches
-    max_batch_size: int = 16  # sequences decoded together
+    max_batch_size: int | None = None  # sequences decoded together; None: 256 on a GPU, 16 on CPU
     # Tokens one paged-engine step may compute (prefill chunks + decodes); None: the engine's
     # default (8192 on CUDA, 512 on CPU). Larger: faster bursts, longer gaps between tokens.
     max_batched_tokens: int | None = None
@@ -29,6 +29,12 @@ class ServerSettings:
     # through fused kernels. "auto": on a GPU for models of 1 B parameters or more (docs/engine.md).
     step_overlap: str = "auto"
     fused_vision: str = "auto"
+    # Memory (paged engine, docs/memory.md): the share of the GPU's total memory this process may
+    # hold (None: 0.9), or an exact KV-cache budget in bytes that overrides it; the longest
+    # sequence (prompt + answer) served, None: the model's context length.
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
     max_queue: int = 256
     limit_images_per_prompt: int = 4
     max_body_bytes: int = 32 * 1024 * 1024
@@ -45,7 +51,7 @@ class ServerSettings:
             raise ValueError(f"port {self.port} is not between 1 and 65535")
         if self.engine not in ("paged", "simple"):
             raise ValueError(f"--engine must be 'paged' or 'simple', not {self.engine!r}")
-        if self.max_batch_size < 1:
+        if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError("--max-batch-size must be at least 1")
         if self.max_queue < 1:
             raise ValueError("--max-queue must be at least 1")
@@ -62,3 +68,21 @@ class ServerSettings:
             raise ValueError("--canary-interval must be 0 (start-up only) or a positive number of seconds")
         if self.strict and not self.canary:
             raise ValueError("--strict needs the canary; drop --no-canary")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be above 0 and at most 1, "
+                             f"not {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError("--kv-cache-memory must be a positive number of bytes")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("--max-model-len must be at least 1")
+        if self.engine == "simple":
+            paged_only = [flag for flag, value in (
+                ("--max-batched-tokens", self.max_batched_tokens),
+                ("--step-overlap", None if self.step_overlap == "auto" else self.step_overlap),
+                ("--fused-vision", None if self.fused_vision == "auto" else self.fused_vision),
+                ("--gpu-memory-utilization", self.gpu_memory_utilization),
+                ("--kv-cache-memory", self.kv_cache_memory),
+                ("--max-model-len", self.max_model_len)) if value is not None]
+            if paged_only:
+                raise ValueError(f"--engine simple does not use {', '.join(paged_only)} (the paged engine's "
+                                 "settings); drop them or use --engine paged")

@@ -1,11 +1,12 @@
-"""KV-cache sizing: the plan on CPU and CUDA numbers, and the dummy max-size step."""
+"""KV-cache sizing on CPU, the block size arithmetic, and the dummy max-size step."""
 
 import pytest
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.paged.config import GPU_MODEL_MIN_PARAMETERS, PagedEngineConfig
-from fovea.engine.paged.kv_cache import KVCache, KVShape, plan_num_blocks
+from fovea.engine.paged.config import GPU_MODEL_MIN_PARAMETERS, PagedEngineConfig, SettingsError
+from fovea.engine.paged.kv_cache import KVCache, KVShape
+from fovea.engine.paged.memory_plan import MemoryPlanError
 from fovea.engine.paged.model_runner import ModelRunner
 
 MiB, GiB = 2**20, 2**30
@@ -18,25 +19,19 @@ def test_bytes_per_block_counts_k_and_v_of_every_layer():
     assert llama7b.bytes_per_block == 8 * MiB
 
 
-def test_cpu_uses_a_byte_budget_never_the_machines_memory():
-    plan = plan_num_blocks(DEMO, device_type="cpu")
-    assert plan.num_blocks == 256 * MiB // DEMO.bytes_per_block == 2048 and plan.max_tokens == 2048 * 16
-    assert plan_num_blocks(DEMO, device_type="cpu", cap_bytes=MiB).num_blocks == 8
-    assert plan_num_blocks(DEMO, device_type="cpu", fixed_blocks=5).num_blocks == 5
+def test_cpu_uses_a_byte_budget_never_the_machines_memory(demo_model):
+    def plan(**kw):
+        config = PagedEngineConfig(**kw).resolved(demo_model.device, demo_model.context_length)
+        return ModelRunner(demo_model, config, EncoderCache()).memory_plan
 
-
-def test_cuda_takes_free_memory_minus_activations_and_margin_capped():
-    shape = KVShape(32, 8, 128, 16, torch.bfloat16)  # 2 MiB per block
-    plan = plan_num_blocks(shape, device_type="cuda", free_bytes=100 * GiB, activation_peak_bytes=3 * GiB,
-                           margin_bytes=1 * GiB)
-    assert plan.num_blocks == 96 * GiB // (2 * MiB)
-    capped = plan_num_blocks(shape, device_type="cuda", free_bytes=100 * GiB, activation_peak_bytes=3 * GiB,
-                             margin_bytes=1 * GiB, cap_bytes=10 * GiB)
-    assert capped.num_blocks == 10 * GiB // (2 * MiB) and "capped" in capped.source
-    with pytest.raises(ValueError):
-        plan_num_blocks(shape, device_type="cuda")
-    with pytest.raises(RuntimeError, match="no room"):
-        plan_num_blocks(shape, device_type="cuda", free_bytes=GiB, activation_peak_bytes=GiB)
+    default = plan()
+    per_block = default.line("kv_cache").bytes // (default.kv_blocks + 1)
+    assert default.kv_blocks == 256 * MiB // per_block and default.budget_bytes is None
+    assert plan(kv_cache_memory=MiB).kv_blocks == MiB // per_block
+    assert plan(num_blocks=5).kv_blocks == 5
+    assert {line.name for line in default.lines} == {"weights", "kv_cache", "encoder cache", "prompt embeddings"}
+    with pytest.raises(MemoryPlanError, match="holds no KV block"):
+        plan(kv_cache_memory=1024)
 
 
 def test_the_cache_has_one_scratch_block_past_the_managed_ones():
@@ -73,7 +68,9 @@ def test_config_defaults_depend_on_the_device():
     assert (gpu.max_num_batched_tokens, gpu.max_num_seqs) == (8192, 256) and gpu.cuda_graphs and gpu.triton_decode
     assert not PagedEngineConfig(cuda_graphs=False).resolved(torch.device("cuda"), 4096).cuda_graphs
     assert PagedEngineConfig(max_num_batched_tokens=8).resolved(torch.device("cpu"), 4096).max_num_seqs == 8
-    assert PagedEngineConfig(max_model_len=9999).resolved(torch.device("cpu"), 4096).max_model_len == 4096
+    assert PagedEngineConfig(max_model_len=1000).resolved(torch.device("cpu"), 4096).max_model_len == 1000
+    with pytest.raises(SettingsError, match="longer than the model's context of 4096"):
+        PagedEngineConfig(max_model_len=9999).resolved(torch.device("cpu"), 4096)
     with pytest.raises(ValueError):
         PagedEngineConfig(max_num_seqs=0)
 

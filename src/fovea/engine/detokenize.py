@@ -42,12 +42,16 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return after[len(before):]
 
-    def push(self, token_id: int) -> str:
+    def push(self, token_id: int, check_stops: bool = True) -> str:
+        """The new final text after ``token_id``; ``check_stops=False`` (before a request's
+        min_tokens) lets the text through without looking for stop strings."""
         self.ids.append(token_id)
         if self.stopped:
             return ""
         new = self._new_text()
         self.text += new
+        if not check_stops:
+            return self._emit(len(self.text))
         # Only a match that ends in the new text can be new.
         start = max(0, len(self.text) - len(new) - self.longest_stop + 1)
         for stop in self.stop:

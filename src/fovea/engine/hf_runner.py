@@ -71,14 +71,18 @@ class HFBatchRunner:
                 if req.cancelled.is_set():
                     self._finish(req, detoks[i], "cancelled", produced[i], first_token[i])
                     continue
+                if req.params.eos_blocked(produced[i]):  # min_tokens: no end-of-sequence yet
+                    for t in eos:
+                        if 0 <= t < logits.shape[-1]:
+                            logits[row, t] = float("-inf")
                 token = sample_next(logits[row], req.params, generators[i])
                 produced[i] += 1
                 if first_token[i] is None:
                     first_token[i] = time.perf_counter() - req.arrival
-                if token in eos:
+                if token in eos and req.params.ends_on_eos(produced[i]):
                     self._finish(req, detoks[i], "stop", produced[i], first_token[i])
                     continue
-                text = detoks[i].push(token)
+                text = detoks[i].push(token, check_stops=req.params.stops_checked(produced[i]))
                 req.emit(TokenEvent(text, token))
                 if detoks[i].stopped:
                     self._finish(req, detoks[i], "stop", produced[i], first_token[i])

@@ -16,10 +16,17 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # vLLM's extensions: with ignore_eos an end-of-sequence token does not end the answer (it
+    # is generated and the answer goes on); before min_tokens tokens exist no end-of-sequence
+    # token can be sampled and no stop string ends the answer.
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be between 0 and max_tokens")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError("temperature must be between 0 and 2")
         if not 0.0 < self.top_p <= 1.0:
@@ -29,6 +36,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         # Below this temperature softmax(logits / T) overflows; its limit is the arg-max anyway.
         return self.temperature < GREEDY_BELOW
+
+
+    def eos_blocked(self, produced: int) -> bool:
+        """With ``produced`` tokens already generated, may the next one not be end-of-sequence?"""
+        return produced < self.min_tokens
+
+    def ends_on_eos(self, produced: int) -> bool:
+        """Does an end-of-sequence token that is the ``produced``-th token end the answer?"""
+        return not self.ignore_eos and produced >= self.min_tokens
+
+    def stops_checked(self, produced: int) -> bool:
+        """Are stop strings checked once ``produced`` tokens exist (vLLM: not before min_tokens)?"""
+        return produced >= self.min_tokens
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

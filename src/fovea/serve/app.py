@@ -17,7 +17,9 @@ from fovea.engine.engine import Engine, EngineConfig
 from fovea.engine.paged import PagedEngine, PagedEngineConfig
 from fovea.errors import FoveaError
 from fovea.model.contract import check_contract
-from fovea.model.loader import LoadedModel, load_model
+from fovea.engine.paged.memory_plan import check_weights_fit
+from fovea.guard.memory import estimate_weight_bytes
+from fovea.model.loader import LoadedModel, default_model_dir, load_model, resolve_device, resolve_dtype
 from fovea.serve.body_limit import BodyLimitMiddleware
 from fovea.serve.chat import make_chat_router
 from fovea.serve.completions import make_completions_router
@@ -34,25 +36,49 @@ class CanaryFailed(FoveaError):
     status, code, type = 503, "canary_failed", "server_error"
 
 
+def check_fits_before_load(settings: ServerSettings) -> None:
+    """On a GPU, refuse a model whose weights cannot fit the memory this process may use,
+    from the safetensors headers, before loading a byte of it."""
+    if settings.engine != "paged":
+        return
+    device = resolve_device(settings.device)
+    if device.type != "cuda":
+        return
+    import torch
+
+    path = settings.model or default_model_dir()
+    dtype = resolve_dtype(settings.dtype, device)
+    free, total = torch.cuda.mem_get_info(device)
+    check_weights_fit(estimate_weight_bytes(path, dtype), str(dtype).removeprefix("torch."), str(device), total,
+                      free, settings.gpu_memory_utilization, settings.kv_cache_memory)
+
+
 def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> FastAPI:
     """Build the app; ``loaded`` lets tests share one loaded model between apps."""
-    loaded = loaded or load_model(settings.model, settings.device, settings.dtype)
+    if loaded is None:
+        check_fits_before_load(settings)
+        loaded = load_model(settings.model, settings.device, settings.dtype)
     contract = check_contract(loaded, override=settings.processor_override,
                               force_override=settings.force_processor_override)
     for note in contract.notes:
         log.warning("%s: %s", loaded.name, note)
     # The gauges read the engine lazily, so the metrics can exist before the engine they watch.
-    metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses))
+    metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses),
+                      lambda: getattr(engine, "oom_recoveries", 0))
     on_vision = lambda s: metrics.vision_latency.observe(1000 * s)
     if settings.engine == "paged":
         engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
                                                        max_queue=settings.max_queue,
                                                        max_num_batched_tokens=settings.max_batched_tokens,
                                                        overlap_steps=SWITCH[settings.step_overlap],
-                                                       fused_vision=SWITCH[settings.fused_vision]),
+                                                       fused_vision=SWITCH[settings.fused_vision],
+                                                       gpu_memory_utilization=settings.gpu_memory_utilization,
+                                                       kv_cache_memory=settings.kv_cache_memory,
+                                                       max_model_len=settings.max_model_len),
                              on_vision_seconds=on_vision)
     else:
-        engine = Engine(loaded, EngineConfig(settings.max_batch_size, settings.max_queue), on_vision_seconds=on_vision)
+        engine = Engine(loaded, EngineConfig(settings.max_batch_size or 16, settings.max_queue),
+                        on_vision_seconds=on_vision)
     state = ServerState.build(settings, loaded, engine, contract, metrics)
 
     async def run_canary() -> None:
@@ -119,6 +145,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             "recipe_fingerprint": contract.recipe_fingerprint,
             "processor_override": contract.processor_override,
             "queue_depth": engine.queue_depth,
+            "memory": engine.memory_report() if isinstance(engine, PagedEngine) else None,
             "canary": None if last is None else {
                 "ok": last.ok, "min_ablation_kl": last.min_ablation_kl, "threshold": last.threshold,
                 "checked_at": last.checked_at, "answers": {c.colour: c.answer for c in last.cases}},
@@ -143,7 +170,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             "object": "model",
             "created": 0,
             "owned_by": "fovea",
-            "root": str(loaded.path),
+            "root": state.model_name,  # not the server's filesystem path
             "max_model_len": loaded.context_length,
         }]}
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
-from fovea.errors import FoveaError
+from fovea.errors import FoveaError, InvalidRequest
 from fovea.engine.image_encoder import ImageEncoder
 from fovea.guard.canary import KL_FLOOR
 from fovea.guard.grounding import answer_dependence
@@ -25,15 +25,29 @@ class EngineFailure(FoveaError):
     status, code, type = 500, "engine_error", "server_error"
 
 
+def failure(error: BaseException) -> FoveaError:
+    """What the client is told when the engine ends a request with ``error``: the error itself
+    when it is one of fovea's (its own code: out_of_memory, image_placeholder_mismatch, ...),
+    else a generic engine error."""
+    if isinstance(error, FoveaError):
+        return error
+    return EngineFailure(f"generation failed: {type(error).__name__}: {error}")
+
+
 def sampling_params(state: ServerState, req: SamplingFields, prompt: EncodedPrompt) -> SamplingParams:
     room = state.loaded.context_length - len(prompt.input_ids)
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, room)
+    if req.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens}).",
+                             param="min_tokens")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=state.default_temperature if req.temperature is None else req.temperature,
         top_p=state.default_top_p if req.top_p is None else req.top_p,
         seed=req.seed,
         stop=list(req.stop or []),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
     )
 
 
@@ -77,7 +91,7 @@ async def run_to_finish(state: ServerState, prompt: EncodedPrompt, params: Sampl
         if isinstance(event, FinishEvent):
             finish = event
         elif isinstance(event, ErrorEvent):
-            raise EngineFailure(f"generation failed: {type(event.error).__name__}: {event.error}")
+            raise failure(event.error)  # a 5xx (or the error's own status) with a JSON body
     assert finish is not None
     state.metrics.observe_finish(finish.first_token_s, finish.total_s, finish.completion_tokens)
     return finish
@@ -129,6 +143,9 @@ async def _stream(state: ServerState, prompt: EncodedPrompt, params: SamplingPar
                 chunk["usage"] = protocol.usage(event.prompt_tokens, event.completion_tokens)
                 yield _sse(chunk)
         elif isinstance(event, ErrorEvent):
-            failure = EngineFailure(f"generation failed: {type(event.error).__name__}: {event.error}")
-            yield _sse(failure.to_body())
+            # The stream already began with 200: it ends with an OpenAI-style error event and
+            # [DONE], and no chunk carries a finish_reason, so a truncated answer never looks finished.
+            error = failure(event.error)
+            state.metrics.observe_error_code(error.code)
+            yield _sse(error.to_body())
     yield _sse("[DONE]")

@@ -29,8 +29,18 @@ class _CacheCollector:
         yield CounterMetricFamily("fovea_encoder_cache_misses", "images that had to be encoded", value=misses)
 
 
+class _RecoveryCollector:
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read = read
+
+    def collect(self):
+        yield CounterMetricFamily("fovea_oom_recoveries", "engine steps that ran out of device memory and were "
+                                  "retried smaller, losing no request", value=self.read())
+
+
 class Metrics:
-    def __init__(self, queue_depth: Callable[[], int], cache_counts: Callable[[], tuple[int, int]]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], cache_counts: Callable[[], tuple[int, int]],
+                 oom_recoveries: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.vision_latency = Histogram("fovea_vision_encoder_latency_ms",
@@ -52,6 +62,7 @@ class Metrics:
         self.canary_kl = Gauge("fovea_canary_last_ablation_kl",
                                "smallest image-vs-blank KL divergence (nats) in the last canary run", registry=r)
         r.register(_CacheCollector(cache_counts))
+        r.register(_RecoveryCollector(oom_recoveries))
 
     def observe_finish(self, first_token_s: float | None, total_s: float, completion_tokens: int) -> None:
         if first_token_s is not None:

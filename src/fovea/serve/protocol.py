@@ -60,6 +60,9 @@ class SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1, description="only n=1 is supported")
+    # vLLM's extensions, for fixed output lengths (benchmarks) and answers that must not end early.
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
     fovea: FoveaOptions | None = None
 
     @field_validator("stop")

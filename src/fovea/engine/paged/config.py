@@ -7,12 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
+from fovea.errors import FoveaError
+
 MiB = 1024 * 1024
 # Below this size a model's steps are shorter than the host's work per step, and the step
 # overlap and the fused vision stage cost more than they save: on an H200 the 5 M-parameter
 # demo model served 16 closed-loop clients at 520 requests/s with neither, 330 with both,
 # while LLaVA-7B gained about 25% in throughput and 22% in vision speed (docs/benchmarks.md).
 GPU_MODEL_MIN_PARAMETERS = 1_000_000_000
+
+
+class SettingsError(FoveaError):
+    """Settings that cannot work with this model or device: refused at start-up."""
+
+    status, code, type = 500, "invalid_settings", "server_error"
 
 
 @dataclass(slots=True)
@@ -25,10 +33,13 @@ class PagedEngineConfig:
     max_num_seqs: int | None = None
     max_queue: int = 256  # requests waiting beyond this are refused with 429
     max_model_len: int | None = None  # None: the model's context length
-    # CUDA: an upper bound on the measured KV budget. CPU: the KV budget itself (None: 256 MiB).
-    kv_cache_max_bytes: int | None = None
+    # The memory plan (memory_planner.py). CUDA: the share of the device this process may hold
+    # (None: 0.9), at most what is free. kv_cache_memory: the KV cache's exact size in bytes,
+    # instead of what that share leaves (CPU: the KV budget, None: 256 MiB).
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory: int | None = None
     num_blocks: int | None = None  # a fixed block count (tests, experiments): skips sizing
-    gpu_memory_margin_bytes: int = 1024 * MiB  # left free on CUDA for fragmentation, graphs, NCCL...
+    memory_headroom_bytes: int = 512 * MiB  # planned for the caching allocator's fragmentation (CUDA)
     enable_prefix_caching: bool = True
     cuda_graphs: bool | None = None  # None: on when the device is CUDA (needs the Triton decode)
     max_graph_batch: int = 256
@@ -51,7 +62,9 @@ class PagedEngineConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.max_queue < 1 or self.vision_batch_size < 1:
             raise ValueError("block_size, max_queue and vision_batch_size must be positive")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks"):
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be above 0 and at most 1")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks", "kv_cache_memory"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be positive")
@@ -64,7 +77,10 @@ class PagedEngineConfig:
         tokens = self.max_num_batched_tokens or (8192 if cuda else 512)
         # A decode takes one token of the step budget, so more sequences than tokens cannot run.
         seqs = min(self.max_num_seqs or (256 if cuda else 16), tokens)
-        model_len = min(self.max_model_len or context_length, context_length)
+        if self.max_model_len is not None and self.max_model_len > context_length:
+            raise SettingsError(f"--max-model-len {self.max_model_len} is longer than the model's context of "
+                                f"{context_length} tokens (max_position_embeddings); lower it")
+        model_len = self.max_model_len or context_length
         triton_decode = cuda if self.triton_decode is None else (self.triton_decode and cuda)
         graphs = cuda if self.cuda_graphs is None else (self.cuda_graphs and cuda)
         overlap = large if self.overlap_steps is None else self.overlap_steps

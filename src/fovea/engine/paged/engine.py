@@ -28,7 +28,7 @@ from fovea.engine.paged.scheduler import Scheduler, StepPlan
 from fovea.engine.paged.sequence import SeqStatus, Sequence
 from fovea.engine.request import EngineRequest, ErrorEvent, Event, check_fits_context, submit_and_stream
 from fovea.engine.sampling import SamplingParams
-from fovea.errors import InvalidRequest
+from fovea.errors import FoveaError, InvalidRequest
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch
 
@@ -37,6 +37,12 @@ log = logging.getLogger("fovea.engine.paged")
 
 class EngineStopped(RuntimeError):
     pass
+
+
+class OutOfMemory(FoveaError):
+    """A request that ran out of device memory even alone, at the smallest step: it can never fit."""
+
+    status, code, type = 503, "out_of_memory", "server_error"
 
 
 class PagedEngine:
@@ -52,14 +58,16 @@ class PagedEngine:
         self.block_manager = BlockManager(self.runner.kv_plan.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_batched_tokens,
-                                   self.config.max_num_seqs)
+                                   self.config.max_num_seqs, self.runner.max_prefill_tokens)
         self._queue: queue.Queue[EngineRequest | None] = queue.Queue(maxsize=self.config.max_queue)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._next_id = 0
+        self._eos_ids = sorted(t for t in loaded.eos_token_ids if isinstance(t, int) and t >= 0)
         self._dead: BaseException | None = None  # set when the worker thread dies
         self._in_flight: InFlight | None = None  # the launched step whose tokens are not read yet
         self.steps = 0
+        self.oom_recoveries = 0  # steps that ran out of memory and were retried smaller
         self.steps_queued_ahead = 0  # steps launched while the previous one's tokens were unread
         self.running_batch = 0
         # Wall seconds of the worker's step phases, summed (where a step's time goes: CPU
@@ -89,6 +97,18 @@ class PagedEngine:
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize() + len(self.scheduler.waiting)
+
+    def memory_report(self) -> dict:
+        """The memory plan, and on CUDA what the process holds now and has held at most."""
+        report = self.runner.memory_plan.to_dict()
+        if self.loaded.device.type == "cuda":
+            device = self.loaded.device
+            free, total = torch.cuda.mem_get_info(device)
+            report["now"] = {"torch_reserved_bytes": torch.cuda.memory_reserved(device),
+                             "torch_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+                             "device_used_bytes": total - free}
+        report["oom_recoveries"] = self.oom_recoveries
+        return report
 
     @property
     def max_context(self) -> int:
@@ -210,12 +230,16 @@ class PagedEngine:
             self._fail(seq, InvalidRequest("the sequence does not fit in the KV cache",
                                            code="context_length_exceeded", param="max_tokens"))
         t1 = time.perf_counter()
-        if plan.chunks:
-            self._embed_admitted(plan)
-        t2 = time.perf_counter()
+        try:
+            if plan.chunks:
+                self._embed_admitted(plan)
+            t2 = time.perf_counter()
+            launched = self._launch(plan) if plan.chunks else None
+        except torch.OutOfMemoryError as exc:
+            self._recover_from_oom(plan, exc)
+            return
         phases["schedule"] += t1 - t0
         phases["embed"] += t2 - t1
-        launched = self._launch(plan) if plan.chunks else None
         t3 = time.perf_counter()
         phases["forward"] += t3 - t2
         if self.step_trace is not None and plan.chunks:
@@ -232,6 +256,7 @@ class PagedEngine:
             if seq.status is not SeqStatus.FINISHED:
                 seq.add_pending(row)
         self.steps += 1
+        self.scheduler.recovered()
         if self.config.overlap_steps:
             self._in_flight = launched
         else:
@@ -244,10 +269,12 @@ class PagedEngine:
         try:
             logits = self.runner.execute(plan, previous)
             sampling = [c.seq for c in plan.chunks if c.sample]
-            tokens = sample_on_device(logits, sampling)
+            tokens = sample_on_device(logits, sampling, self._eos_ids)
             logprobs = {row: torch.log_softmax(logits[row], dim=-1) for row, seq in enumerate(sampling)
                         if seq.request.want_first_logprobs and seq.produced == 0 and seq.pending_row is None}
             return InFlight.start(plan, sampling, tokens, logprobs)
+        except torch.OutOfMemoryError:
+            raise  # the step is retried smaller (_recover_from_oom); nobody fails
         except Exception as exc:
             log.exception("engine step over %d sequence(s) failed", len(plan.chunks))
             for chunk in plan.chunks:
@@ -292,6 +319,8 @@ class PagedEngine:
             return
         try:
             self.runner.embedder.fill(need)
+        except torch.OutOfMemoryError:
+            raise
         except Exception as exc:
             log.exception("prompt embedding failed for %d request(s)", len(need))
             failed = {id(s) for s in need}
@@ -299,3 +328,34 @@ class PagedEngine:
                 self._fail(seq, exc)
             # Decodes never need prompt embeddings, so plan.num_decodes stays right.
             plan.chunks = [c for c in plan.chunks if id(c.seq) not in failed]
+
+    def _recover_from_oom(self, plan: StepPlan, exc: torch.OutOfMemoryError) -> None:
+        """A step ran out of device memory before anything of it was read back: nothing is lost.
+
+        The step before it is completed first (its tokens are the inputs of decodes here), then
+        the scheduler halves its limits and sends the step's prefilling sequences (and the
+        youngest beyond the new limit) back to waiting, the encoder cache lets go of its
+        embeddings and the allocator of its cached blocks, and the next step is smaller. Only a
+        sequence that runs out of memory alone, at the smallest step, fails: it can never fit.
+        """
+        self.oom_recoveries += 1
+        self._complete_in_flight()
+        alive = [c.seq for c in plan.chunks if c.seq.status is SeqStatus.RUNNING]
+        if len(alive) == 1 and self.scheduler.at_minimum:
+            seq = alive[0]
+            log.error("request %s ran out of device memory alone in the smallest step (%d tokens): failing it",
+                      seq.request.request_id, plan.num_tokens)
+            self._fail(seq, OutOfMemory(
+                f"the request needs more GPU memory than this server can give it, even alone in the smallest "
+                f"step ({seq.prompt_len} prompt tokens, {len(seq.request.prompt.image_hashes)} image(s)); shorten "
+                "the prompt, send fewer or smaller images, or lower max_tokens."))
+            victims: list[Sequence] = []
+        else:
+            victims = self.scheduler.shrink(plan)
+        self.encoder_cache.clear()
+        if self.loaded.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning("step of %d sequence(s), %d tokens ran out of device memory (%s); %d sent back to waiting, "
+                    "next steps at most %d tokens and %d sequences", len(plan.chunks), plan.num_tokens,
+                    str(exc).splitlines()[0][:200], len(victims), self.scheduler.token_limit,
+                    self.scheduler.seq_limit)

@@ -1,4 +1,4 @@
-"""The paged KV cache tensors and how many blocks of them fit in memory."""
+"""The paged KV cache: its shape, its tensors and the block count chosen for it (see memory_planner)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class KVPlan:
     num_blocks: int
     block_size: int
     bytes_per_block: int
-    source: str  # how the budget was found, for the log
+    source: str  # how the block count was chosen
 
     @property
     def max_tokens(self) -> int:
@@ -39,43 +39,6 @@ class KVPlan:
     @property
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
-
-
-def plan_num_blocks(shape: KVShape, *, device_type: str, fixed_blocks: int | None = None,
-                    cap_bytes: int | None = None, cpu_budget_bytes: int = 256 * 1024 * 1024,
-                    free_bytes: int | None = None, activation_peak_bytes: int = 0,
-                    margin_bytes: int = 0, need_blocks: int | None = None) -> KVPlan:
-    """Blocks for the KV cache.
-
-    CUDA: measured free memory (after the weights are loaded) minus the profiled activation
-    peak of a max-size step minus a margin, capped by ``cap_bytes``. CPU: a byte budget
-    (``cap_bytes`` or ``cpu_budget_bytes``); the machine's RAM is shared with everything
-    else, so it is never "whatever is free".
-    """
-    per_block = shape.bytes_per_block
-    if fixed_blocks is not None:
-        budget, source = fixed_blocks * per_block, f"fixed at {fixed_blocks} blocks"
-    elif device_type == "cuda":
-        if free_bytes is None:
-            raise ValueError("sizing on CUDA needs the measured free memory")
-        budget = free_bytes - activation_peak_bytes - margin_bytes
-        source = (f"free {free_bytes / 2**30:.2f} GiB - activation peak {activation_peak_bytes / 2**30:.2f} GiB"
-                  f" - margin {margin_bytes / 2**30:.2f} GiB")
-        if cap_bytes is not None and cap_bytes < budget:
-            budget, source = cap_bytes, source + f", capped at {cap_bytes / 2**30:.2f} GiB"
-    else:
-        budget = cap_bytes if cap_bytes is not None else cpu_budget_bytes
-        source = f"CPU budget {budget / 2**20:.0f} MiB"
-    num_blocks = budget // per_block
-    if need_blocks is not None and fixed_blocks is None and need_blocks < num_blocks:
-        # Never more than every sequence at full length needs (plus prefix-cache slack): a
-        # small model on a big GPU leaves the rest of the card to its neighbours.
-        num_blocks = need_blocks
-        source += f", capped at the {need_blocks} blocks max_num_seqs x max_model_len can use"
-    if num_blocks < 1:
-        raise RuntimeError(f"no room for a KV cache: {source} leaves {budget} bytes, "
-                           f"one block needs {per_block}")
-    return KVPlan(int(num_blocks), shape.block_size, per_block, source)
 
 
 class KVCache:
@@ -99,9 +62,3 @@ class KVCache:
     @property
     def scratch_slot(self) -> int:
         return self.num_blocks * self.shape.block_size
-
-
-def log_plan(plan: KVPlan) -> None:
-    log.info("KV cache: %d blocks of %d tokens, %.1f KiB per block, %.2f GiB, %d tokens at most (%s)",
-             plan.num_blocks, plan.block_size, plan.bytes_per_block / 1024, plan.total_bytes / 2**30,
-             plan.max_tokens, plan.source)

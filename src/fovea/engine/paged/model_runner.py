@@ -24,7 +24,8 @@ from fovea.engine.paged.attention import (
 from fovea.engine.paged.config import PagedEngineConfig
 from fovea.engine.paged.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
 from fovea.engine.paged.embeddings import PromptEmbedder
-from fovea.engine.paged.kv_cache import KVCache, KVPlan, KVShape, log_plan, plan_num_blocks
+from fovea.engine.paged.kv_cache import KVCache, KVPlan
+from fovea.engine.paged.memory_planner import Planner
 from fovea.engine.paged.llama import PagedLlama
 from fovea.engine.paged.scheduler import Chunk, StepPlan
 from fovea.engine.paged.staging import resolve_pending, to_device
@@ -80,6 +81,7 @@ class ModelRunner:
                 use_triton = False
         elif config.triton_decode:
             log.warning("triton is not importable: paged decode uses the torch path")
+        self.use_triton = use_triton
         self.decode_attention = DecodeAttention(use_triton)
         fused = use_triton and config.fused_kernels is not False
         self.llama = PagedLlama(loaded.model, config.max_model_len, self.decode_attention, fused=fused)
@@ -87,98 +89,94 @@ class ModelRunner:
                  "fused (Triton kernels)" if fused else "torch-op")
         self.embedder = PromptEmbedder(loaded, self.llama, encoder_cache, config.vision_batch_size,
                                        on_vision_seconds)
+        # Prompt tokens whose input embeddings may be held at once (Scheduler.max_prefill_tokens):
+        # a full step of prefill plus one longest prompt started in an earlier step.
+        self.max_prefill_tokens = config.max_num_batched_tokens + config.max_model_len
         # The vision stage: fused kernels where they pass their start-up check (chosen before
         # the memory profile, so the profile measures the path that runs).
         vision_encode, vision_label = choose_vision_encoder(loaded, enabled=fused and bool(config.fused_vision))
         self.embedder.images.encode = vision_encode
         log.info("vision stage: %s", vision_label)
         shape = self.llama.kv_shape(self.block_size)
-        self.kv_plan = self._plan(shape)
-        log_plan(self.kv_plan)
-        self.cache = KVCache(shape, self.kv_plan.num_blocks, self.device)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.graphs: GraphedDecode | None = None
-        if config.cuda_graphs and getattr(loaded.model.config.vision_config, "image_size", None):
-            self.embedder.images.graphs = try_graphed_vision(loaded, config.vision_batch_size, encode=vision_encode)
-        if config.cuda_graphs:
-            if use_triton:
-                self.graphs = self.build_graphs()
-                self.graphs.capture()
-            else:
-                log.warning("CUDA graphs need the Triton decode kernel; decoding eagerly")
+        self.decode_graphs_enabled = bool(config.cuda_graphs) and use_triton
+        if config.cuda_graphs and not use_triton:
+            log.warning("CUDA graphs need the Triton decode kernel; decoding eagerly")
+        planner = Planner(self, shape)
+        self.memory_plan = planner.plan()
+        log.info("%s", self.memory_plan.render())
+        self.kv_plan = KVPlan(self.memory_plan.kv_blocks, self.block_size, shape.bytes_per_block,
+                              self.memory_plan.line("kv_cache").how)
+        self.cache = KVCache(shape, self.kv_plan.num_blocks, self.device)
+        if self.decode_graphs_enabled:
+            self.graphs = self.build_graphs()
+            self.graphs.capture()
+        planner.enforce(self.memory_plan)
 
-    def build_graphs(self, cls: type[GraphedDecode] = GraphedDecode) -> GraphedDecode:
+    def build_graphs(self, cls: type[GraphedDecode] = GraphedDecode, cache: KVCache | None = None) -> GraphedDecode:
         # The graphs get a partial over (llama, cache), not a bound method: a cycle back to
         # this runner would keep the KV cache alive after the engine is dropped until the
         # garbage collector happens to run.
-        return cls(functools.partial(decode_forward, self.llama, self.cache),
+        cache = cache if cache is not None else self.cache
+        return cls(functools.partial(decode_forward, self.llama, cache),
                    capture_sizes(self.config.max_num_seqs, self.config.max_graph_batch),
-                   self.max_blocks_per_seq, self.cache.scratch_slot, self.cache.scratch_block, self.device)
+                   self.max_blocks_per_seq, cache.scratch_slot, cache.scratch_block, self.device)
 
-    # ---- start-up ---------------------------------------------------------------------
-    def _plan(self, shape: KVShape) -> KVPlan:
-        cfg = self.config
-        if self.device.type != "cuda" or cfg.num_blocks is not None:
-            return plan_num_blocks(shape, device_type=self.device.type, fixed_blocks=cfg.num_blocks,
-                                   cap_bytes=cfg.kv_cache_max_bytes)
-        peak = self._profile_peak(shape)
-        free, _total = torch.cuda.mem_get_info(self.device)
-        per_seq = -(-cfg.max_model_len // cfg.block_size)
-        need = 2 * cfg.max_num_seqs * per_seq  # twice: room for the prefix cache to keep blocks
-        return plan_num_blocks(shape, device_type="cuda", cap_bytes=cfg.kv_cache_max_bytes, free_bytes=free,
-                               activation_peak_bytes=peak, margin_bytes=cfg.gpu_memory_margin_bytes,
-                               need_blocks=need)
+    def capture_vision_graphs(self) -> None:
+        """Graphs of the vision stage for batches up to vision_batch_size (CUDA, fixed image size)."""
+        if self.config.cuda_graphs and getattr(self.loaded.model.config.vision_config, "image_size", None):
+            self.embedder.images.graphs = try_graphed_vision(self.loaded, self.config.vision_batch_size,
+                                                             encode=self.embedder.images.encode)
 
-    def _profile_peak(self, shape: KVShape) -> int:
-        """Peak activation bytes of the largest step (see ``dummy_step``), measured on CUDA."""
-        device = self.device
-        scratch = KVCache(shape, -(-self.config.max_num_batched_tokens // self.block_size) + len(
-            self._dummy_spans()), device)  # not part of the peak
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        self.dummy_step(scratch)
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
-        del scratch
-        torch.cuda.empty_cache()
-        return max(0, peak)
-
-    def _dummy_spans(self) -> list[tuple[int, int]]:
-        """(offset, length) of the prefill chunks of the largest step: max_num_batched_tokens
-        in chunks of at most max_model_len (one sequence cannot be longer)."""
-        total, longest = self.config.max_num_batched_tokens, self.config.max_model_len
+    # ---- start-up profile -------------------------------------------------------------
+    def _dummy_spans(self, total: int | None = None) -> list[tuple[int, int]]:
+        """(offset, length) of the prefill chunks of a step of ``total`` tokens (default:
+        max_num_batched_tokens) in chunks of at most max_model_len (one sequence cannot be longer)."""
+        total = total or self.config.max_num_batched_tokens
+        longest = self.config.max_model_len
         return [(lo, min(longest, total - lo)) for lo in range(0, total, longest)]
 
+    def scratch_blocks(self) -> int:
+        """Blocks a scratch cache needs for ``dummy_step``."""
+        return -(-self.config.max_num_batched_tokens // self.block_size) + len(self._dummy_spans())
+
     @torch.inference_mode()
-    def dummy_step(self, cache: KVCache) -> torch.Tensor:
-        """The largest step the scheduler can form: prefill chunks of max_num_batched_tokens
-        tokens with logits for max_num_seqs rows, then one vision batch. Returns the logits."""
+    def dummy_step(self, cache: KVCache, tokens: int | None = None, rows: int | None = None) -> torch.Tensor:
+        """A step the scheduler can form, on random inputs: prefill chunks of ``tokens`` tokens
+        (default max_num_batched_tokens) with logits for ``rows`` rows (default max_num_seqs,
+        the most a step samples). Returns the float32 logits, as ``execute`` does."""
         cfg, device, bs = self.config, self.device, self.block_size
         spans, tables, slots, positions, next_block = [], [], [], [], 0
-        for offset, length in self._dummy_spans():
+        for offset, length in self._dummy_spans(tokens):
             blocks = list(range(next_block, next_block + -(-length // bs)))
             next_block += len(blocks)
             spans.append(PrefillSpan(offset, length, 0, torch.tensor(blocks, device=device)))
             tables.append(blocks)
             slots.extend(range(blocks[0] * bs, blocks[0] * bs + length))
             positions.extend(range(length))
-        tokens = len(slots)
-        hidden = torch.zeros((tokens, self.llama.embed.shape[1]), dtype=self.llama.dtype, device=device)
+        n = len(slots)
+        hidden = torch.randn((n, self.llama.embed.shape[1]), dtype=self.llama.dtype, device=device)
         meta = AttnMeta(slot_mapping=torch.tensor(slots, device=device), prefills=spans)
         if self.decode_attention.prefill is not None:
             meta.prefill_batch = PrefillBatch.build(spans, tables, device)
-        rows = torch.arange(max(0, tokens - cfg.max_num_seqs), tokens, device=device)
-        logits = self.llama.forward(hidden, torch.tensor(positions, device=device), meta, cache, rows).float()
-        del hidden
+        rows = min(n, cfg.max_num_seqs if rows is None else rows)
+        logit_rows = torch.arange(n - rows, n, device=device)
+        return self.llama.forward(hidden, torch.tensor(positions, device=device), meta, cache, logit_rows).float()
+
+    @torch.inference_mode()
+    def dummy_vision_batch(self) -> torch.Tensor | None:
+        """One full vision batch through the path serving uses (graphs where captured)."""
         vision = self.loaded.model.config.vision_config
         size = getattr(vision, "image_size", None)
-        if size:
-            pixels = torch.zeros((cfg.vision_batch_size, getattr(vision, "num_channels", 3), size, size),
-                                 dtype=self.loaded.dtype, device=device)
-            self.embedder.images.encode(pixels)
-        return logits
+        if not size:
+            return None
+        pixels = torch.randn((self.config.vision_batch_size, getattr(vision, "num_channels", 3), size, size),
+                             dtype=self.loaded.dtype, device=self.device)
+        images = self.embedder.images
+        if images.graphs is not None and images.graphs.can_run(pixels):
+            return images.graphs(pixels)
+        return images.encode(pixels)
 
     # ---- steps ------------------------------------------------------------------------
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:

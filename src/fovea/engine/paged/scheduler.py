@@ -42,10 +42,24 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    """``max_prefill_tokens``: the prompt tokens whose input embeddings may be held at once (a
+    sequence holds its whole prompt's from admission until its prefill is done); it bounds the
+    memory plan's "prompt embeddings in flight" line. None: no bound (CPU, tests).
+
+    After an out-of-memory error the engine calls ``shrink``: the step's token and sequence
+    limits halve, and ``recovered`` grows them back after steps that succeed."""
+
+    RECOVERY_STEPS = 32  # successful steps before a shrunk limit doubles again
+
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_prefill_tokens: int | None = None) -> None:
         self.blocks = blocks
         self.max_tokens = max_num_batched_tokens
         self.max_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.token_limit = max_num_batched_tokens  # <= max_tokens: lowered after an out-of-memory error
+        self.seq_limit = max_num_seqs
+        self._good_steps = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -79,6 +93,37 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    # ---- out-of-memory recovery ------------------------------------------------------
+    @property
+    def at_minimum(self) -> bool:
+        """Limits cannot shrink further: one sequence, one block of tokens."""
+        return self.seq_limit == 1 and self.token_limit <= self.blocks.block_size
+
+    def shrink(self, plan: StepPlan) -> list[Sequence]:
+        """After ``plan``'s step ran out of memory: halve the limits below what that step used,
+        send its prefilling sequences and the youngest sequences over the new sequence limit
+        back to waiting (their generated tokens are kept), and return those preempted."""
+        self.token_limit = max(self.blocks.block_size, min(self.token_limit, plan.num_tokens) // 2)
+        self.seq_limit = max(1, min(self.seq_limit, len(plan.chunks)) // 2)
+        self._good_steps = 0
+        victims = [c.seq for c in plan.chunks if c.seq.status is SeqStatus.RUNNING and not c.seq.is_decode]
+        while len(self.running) - len(victims) > self.seq_limit:
+            extra = next(s for s in reversed(self.running) if s not in victims)
+            victims.append(extra)
+        for seq in victims:
+            self._preempt(seq)
+        return victims
+
+    def recovered(self) -> None:
+        """A step succeeded: after RECOVERY_STEPS of them, a shrunk limit doubles."""
+        if self.token_limit == self.max_tokens and self.seq_limit == self.max_seqs:
+            return
+        self._good_steps += 1
+        if self._good_steps >= self.RECOVERY_STEPS:
+            self._good_steps = 0
+            self.token_limit = min(self.max_tokens, 2 * self.token_limit)
+            self.seq_limit = min(self.max_seqs, 2 * self.seq_limit)
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         while True:
@@ -91,11 +136,12 @@ class Scheduler:
             plan.preempted.append(victim)
 
     def _schedule_into(self, plan: StepPlan) -> None:
-        budget = self.max_tokens
+        budget = self.token_limit
         blocks, bs = self.blocks, self.blocks.block_size
+        held = sum(s.prompt_len for s in self.running if s.num_computed < s.prompt_len)
         # 1. decodes
         for seq in list(self.running):
-            if budget == 0:
+            if budget == 0 or len(plan.chunks) >= self.seq_limit:
                 break
             if seq.status is not SeqStatus.RUNNING or not seq.is_decode or not seq.wants_more:
                 continue  # (a sequence whose last token is in flight and will end it waits for it)
@@ -111,7 +157,7 @@ class Scheduler:
         plan.num_decodes = len(plan.chunks)
         # 2. running sequences still prefilling
         for seq in self.running:
-            if budget == 0:
+            if budget == 0 or len(plan.chunks) >= self.seq_limit:
                 break
             if seq.is_decode:
                 continue
@@ -123,12 +169,15 @@ class Scheduler:
             budget -= n
         # 3. admissions, first come first served; none in a step that had to preempt, or
         # the victim would come straight back and take the blocks it just gave up.
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs and not plan.preempted:
+        while (self.waiting and budget > 0 and len(self.running) < min(self.max_seqs, self.seq_limit)
+               and not plan.preempted):
             seq = self.waiting[0]
             if blocks.blocks_for(seq.num_tokens) > blocks.num_blocks:
                 self.waiting.popleft()
                 plan.rejected.append(seq)
                 continue
+            if self.max_prefill_tokens is not None and held and held + seq.prompt_len > self.max_prefill_tokens:
+                break  # its prompt embeddings would pass the plan's bound: wait for a prefill to finish
             hits = blocks.lookup(seq)
             start = len(hits) * bs
             room = (len(hits) + blocks.num_free - blocks.admit_cost(hits)) * bs - start
@@ -142,6 +191,7 @@ class Scheduler:
             self.running.append(seq)
             plan.chunks.append(Chunk(seq, start, n, n == seq.num_tokens - start))
             budget -= n
+            held += seq.prompt_len
 
     def on_computed(self, plan: StepPlan) -> None:
         """After the forward: advance progress and name newly filled blocks (not for sequences

@@ -109,19 +109,25 @@ class Sequence:
         assert self.pending_row is not None and self.token_ids[-1] == pending_token(self.pending_row)
         self.pending_row = None
         self.produced += 1
+        params = self.request.params
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter() - self.request.arrival
-        if token in eos:
+        if token in eos and params.ends_on_eos(self.produced):
             self.token_ids.pop()
             return "stop"
         self.token_ids[-1] = token
-        text = self.detok.push(token)
+        text = self.detok.push(token, check_stops=params.stops_checked(self.produced))
         self.request.emit(TokenEvent(text, token))
         if self.detok.stopped:
             return "stop"
-        if self.produced >= self.request.params.max_tokens:
+        if self.produced >= params.max_tokens:
             return "length"
         return None
+
+    @property
+    def next_token_index(self) -> int:
+        """Tokens generated before the one the next launched step samples (one may be in flight)."""
+        return self.produced + (self.pending_row is not None)
 
     def emit_finish(self, reason: str) -> None:
         tail = self.detok.flush()

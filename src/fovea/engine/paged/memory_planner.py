@@ -1,0 +1,235 @@
+"""Start-up of the paged engine's memory: measure every long-lived allocation, size the KV cache, cap the rest.
+
+On CUDA (``Planner.plan``), in order, each phase measured from a settled allocator
+(``memory_profile.measure``):
+1. the budget: ``--gpu-memory-utilization`` of the device, at most what is free;
+2. the weights and the tensors already held;
+3. kernel choices made now, not while serving (the matrix-vector kernel's timing against
+   cuBLAS for every row count, the autotuner, Triton compiles): they allocate benchmark
+   buffers, which must not happen under load;
+4. the vision stage's CUDA graphs (held);
+5. the worst step (a peak): a vision batch, then two overlapped steps of
+   max_num_batched_tokens tokens sampling max_num_seqs rows with log-probabilities;
+6. transformers' forward over max_model_len tokens, which per-request grounding scores run;
+7. the decode graphs, captured once against a one-block probe cache (held);
+8. what the CUDA runtime took outside torch meanwhile (workspaces, kernel modules);
+then the caches that fill while serving (encoder cache, prompt embeddings in flight) and a
+headroom line, and the KV cache gets the rest (``memory_plan.plan_kv``).
+
+``enforce`` then caps torch's caching allocator at the plan's torch lines: an allocation past
+the plan raises out-of-memory at once, which the engine recovers from, instead of taking
+memory another process on the GPU was promised.
+
+On CPU, and with a fixed block count, the plan is computed from sizes and not enforced.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from fovea.engine.paged import triton_ops
+from fovea.engine.paged.kv_cache import KVCache, KVShape
+from fovea.engine.paged.memory_plan import (
+    KVRequest,
+    MemoryPlan,
+    MemoryPlanError,
+    MiB,
+    PlanLine,
+    gib,
+    plan_kv,
+    process_budget,
+)
+from fovea.engine.paged.memory_profile import CudaMeter, measure, tensor_bytes
+
+if TYPE_CHECKING:
+    from fovea.engine.paged.model_runner import ModelRunner
+
+log = logging.getLogger("fovea.engine.paged")
+
+CPU_KV_BYTES = 256 * MiB  # the CPU KV cache unless --kv-cache-memory says otherwise
+RUNTIME_ALLOWANCE = 64 * MiB  # kernel modules the CUDA runtime may still load after start-up
+SAMPLED_ROWS = 8  # rows the profile samples with temperature and top-p (the rest greedy)
+HELD = ("weights", "engine tensors", "vision graphs", "decode graphs", "kv_cache")  # allocated at start-up
+
+
+class Planner:
+    def __init__(self, runner: ModelRunner, shape: KVShape) -> None:
+        self.runner = runner
+        self.config = runner.config
+        self.shape = shape
+        self.device = runner.device
+        self.meter = CudaMeter(self.device) if self.device.type == "cuda" else None
+
+    # ---- the plan ---------------------------------------------------------------------
+    def plan(self) -> MemoryPlan:
+        if self.meter is None:
+            return self._plan_host()
+        if self.config.num_blocks is not None:
+            self.runner.capture_vision_graphs()
+            return self._plan_fixed("fixed at --num-blocks (an experiment): not measured, not enforced")
+        try:
+            return self._plan_measured()
+        except torch.OutOfMemoryError as exc:
+            self.meter.settle()
+            free, total = self.meter.free_total()
+            raise MemoryPlanError(
+                f"the start-up profile ran out of memory on {self.device} ({str(exc).splitlines()[0][:160]}); "
+                f"{gib(free)} of {gib(total)} is free. Lower --max-batched-tokens or --max-batch-size, or free "
+                "the GPU.") from None
+
+    def _request(self, exact: int | None) -> KVRequest:
+        cfg, bs = self.config, self.runner.block_size
+        per_seq = -(-cfg.max_model_len // bs)
+        return KVRequest(per_block=self.shape.bytes_per_block, tensors=2 * self.shape.num_layers, block_size=bs,
+                         min_blocks=per_seq, need_blocks=2 * cfg.max_num_seqs * per_seq, exact_bytes=exact,
+                         max_model_len=cfg.max_model_len)
+
+    def _caches(self) -> list[PlanLine]:
+        """Lines that fill while serving: their bound, not their use."""
+        r, cfg = self.runner, self.config
+        embed_bytes = r.max_prefill_tokens * r.llama.embed.shape[1] * r.llama.embed.element_size()
+        return [
+            PlanLine("encoder cache", cfg.encoder_cache_bytes, "bound: image embeddings kept by content hash"),
+            PlanLine("prompt embeddings", embed_bytes, f"bound: input embeddings of at most {r.max_prefill_tokens} "
+                                                       "prompt tokens held while prefilling"),
+        ]
+
+    def _weights(self) -> PlanLine:
+        return PlanLine("weights", tensor_bytes(self.runner.loaded.model), "parameters and buffers of the loaded model")
+
+    def _plan_host(self) -> MemoryPlan:
+        cfg = self.config
+        per_block = self.shape.bytes_per_block
+        if cfg.num_blocks is not None:
+            blocks, how = cfg.num_blocks, "fixed block count"
+        else:
+            kv_bytes = cfg.kv_cache_memory or CPU_KV_BYTES
+            blocks = kv_bytes // per_block
+            how = f"--kv-cache-memory {gib(kv_bytes)}" if cfg.kv_cache_memory else f"CPU default {gib(kv_bytes)}"
+            if blocks < 1:
+                raise MemoryPlanError(f"--kv-cache-memory {kv_bytes} bytes holds no KV block ({per_block} bytes "
+                                      "each); raise it.")
+        lines = [self._weights(),
+                 PlanLine("kv_cache", (blocks + 1) * per_block, f"{blocks} blocks of {self.runner.block_size} tokens: "
+                          f"{how}"), *self._caches()]
+        return MemoryPlan(device=str(self.device), lines=lines, kv_blocks=blocks, block_size=self.runner.block_size,
+                          budget_how="host memory: sized from the settings, not reserved up front")
+
+    def _plan_fixed(self, how: str) -> MemoryPlan:
+        blocks, per_block = self.config.num_blocks, self.shape.bytes_per_block
+        lines = [self._weights(), PlanLine("kv_cache", (blocks + 1) * per_block, how), *self._caches()]
+        return MemoryPlan(device=str(self.device), lines=lines, kv_blocks=blocks, block_size=self.runner.block_size,
+                          budget_how=how)
+
+    def _plan_measured(self) -> MemoryPlan:
+        r, cfg, meter, device = self.runner, self.config, self.meter, self.device
+        assert meter is not None
+        meter.settle()
+        free0, total = meter.free_total()
+        held0, used0 = meter.reserved(), total - free0
+        budget = process_budget(total, free0, held0, cfg.gpu_memory_utilization,
+                                exact_kv=cfg.kv_cache_memory is not None)
+        weights = self._weights()
+        lines = [weights]
+        tables = meter.allocated() - weights.bytes
+        if tables > MiB:
+            lines.append(PlanLine("engine tensors", tables, "rotary tables and other tensors held before the profile"))
+        scratch = KVCache(self.shape, r.scratch_blocks(), device)  # outside every measurement below
+        try:
+            measure(meter, lambda: self._choose_kernels(scratch))
+            _, vision, _ = measure(meter, r.capture_vision_graphs)
+            if vision:
+                lines.append(PlanLine("vision graphs", vision, "measured: CUDA graphs of the vision stage for "
+                                      f"batches up to {cfg.vision_batch_size}"))
+            _, _, step = measure(meter, lambda: self._worst_steps(scratch))
+        finally:
+            del scratch
+        rows = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        lines.append(PlanLine("step peak", step, f"measured: a vision batch of {cfg.vision_batch_size}, then two "
+                              f"overlapped steps of {cfg.max_num_batched_tokens} tokens sampling {rows} rows "
+                              "with log-probabilities"))
+        _, _, reference = measure(meter, self._reference_forward)
+        lines.append(PlanLine("grounding forward", reference, f"measured: transformers' forward over "
+                              f"{cfg.max_model_len} tokens (per-request grounding scores, one at a time)"))
+        if r.decode_graphs_enabled:
+            probe = KVCache(self.shape, 1, device)
+            graphs, held, _ = measure(meter, lambda: self._capture(probe))
+            lines.append(PlanLine("decode graphs", held, f"measured: {len(graphs.sizes)} CUDA graphs of decode "
+                                  f"steps (batch sizes up to {graphs.sizes[-1]}) and their inputs"))
+            del graphs, probe
+        meter.settle()
+        runtime = max(0, (meter.used() - used0) - (meter.reserved() - held0)) + RUNTIME_ALLOWANCE
+        lines.append(PlanLine("CUDA runtime", runtime, "measured: workspaces and kernel modules outside torch, "
+                              f"+{RUNTIME_ALLOWANCE // MiB} MiB for kernels loaded later", torch=False))
+        lines += self._caches()
+        lines.append(PlanLine("headroom", cfg.memory_headroom_bytes, "the caching allocator's fragmentation"))
+        pending = sum(line.bytes for line in lines if line.name not in HELD and line.torch)
+        free_now, _ = meter.free_total()
+        plan = plan_kv(budget, lines, self._request(cfg.kv_cache_memory), str(device), total,
+                       free_now=free_now, pending=pending)
+        return plan
+
+    # ---- the profile's phases -----------------------------------------------------------
+    @torch.inference_mode()
+    def _choose_kernels(self, scratch: KVCache) -> None:
+        """Every choice made on first use, made now: for each row count the matrix-vector kernel
+        may take, one step of that many tokens times it against cuBLAS on every weight shape
+        (the timing allocates a cache-flush buffer); sampling kernels load once."""
+        for rows in range(1, triton_ops.GEMV_MAX_ROWS + 1):
+            self._sample(self.runner.dummy_step(scratch, tokens=rows, rows=rows))
+
+    @torch.inference_mode()
+    def _worst_steps(self, scratch: KVCache) -> tuple:
+        r = self.runner
+        vision = r.dummy_vision_batch()
+        first = r.dummy_step(scratch)
+        first_out = self._sample(first)
+        second = r.dummy_step(scratch)  # while the first step's outputs are held (step overlap)
+        return vision, first, first_out, second, self._sample(second)
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """What sampling a step holds: greedy rows, a few drawn with temperature and top-p, and
+        every row's log-probabilities (as for requests that asked for them)."""
+        from fovea.engine.sampling import SamplingParams, sample_next_on_device
+
+        generator = torch.Generator(device=logits.device).manual_seed(0)
+        params = SamplingParams(temperature=0.7, top_p=0.9)
+        drawn = [sample_next_on_device(logits[i], params, generator) for i in range(min(SAMPLED_ROWS, len(logits)))]
+        return logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1), drawn
+
+    @torch.inference_mode()
+    def _reference_forward(self) -> torch.Tensor:
+        model = self.runner.loaded.model
+        hidden = self.runner.llama.embed.shape[1]
+        embeds = torch.randn((1, self.config.max_model_len, hidden), dtype=self.runner.llama.dtype, device=self.device)
+        return model(inputs_embeds=embeds, use_cache=False, logits_to_keep=9).logits
+
+    def _capture(self, probe: KVCache):
+        graphs = self.runner.build_graphs(cache=probe)
+        graphs.capture()
+        return graphs
+
+    # ---- holding the process to it --------------------------------------------------------
+    def enforce(self, plan: MemoryPlan) -> None:
+        """Cap torch's caching allocator at the plan's torch lines (CUDA, measured plans)."""
+        meter = self.meter
+        if meter is None or plan.total_bytes is None or plan.torch_cap_bytes is None:
+            return
+        meter.settle()
+        held = meter.reserved()
+        planned_held = sum(line.bytes for line in plan.lines if line.name in HELD)
+        if held > planned_held + RUNTIME_ALLOWANCE:
+            note = (f"start-up holds {gib(held)}, {gib(held - planned_held)} more than the plan's lines for it "
+                    f"({gib(planned_held)})")
+            log.warning("memory plan: %s", note)
+            plan.notes.append(note)
+        pending = sum(line.bytes for line in plan.lines if line.name not in HELD and line.torch)
+        cap = max(plan.torch_cap_bytes, held + pending)
+        plan.torch_cap_bytes = cap
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / plan.total_bytes), self.device)
+        meter.reset_peak()  # from here on the peak is serving's (/health, the benchmark's check)
+        plan.notes.append(f"torch's allocator is capped at {gib(cap)}: an allocation past the plan fails at once, "
+                          "and the engine retries the step smaller")

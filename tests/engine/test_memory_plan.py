@@ -1,0 +1,108 @@
+"""The memory plan's arithmetic and refusals, with the device's numbers given (no GPU needed)."""
+
+from dataclasses import replace
+
+import pytest
+
+from fovea.engine.paged.memory_plan import (
+    ALLOCATOR_ROUNDING,
+    GiB,
+    KVRequest,
+    MemoryPlanError,
+    MiB,
+    PlanLine,
+    blocks_for_bytes,
+    check_weights_fit,
+    kv_tensor_bytes,
+    plan_kv,
+    process_budget,
+)
+
+H200 = 140 * GiB
+LLAVA7B_KV = KVRequest(per_block=8 * MiB, tensors=64, block_size=16, min_blocks=256, need_blocks=2 * 256 * 256,
+                       max_model_len=4096)
+
+
+def lines(weights=13 * GiB, step=2 * GiB):
+    return [PlanLine("weights", weights, "w"), PlanLine("step peak", step, "s"),
+            PlanLine("CUDA runtime", 300 * MiB, "r", torch=False)]
+
+
+def test_budget_is_the_share_of_the_device_or_what_is_free_whichever_is_less():
+    alone = process_budget(H200, free=H200 - GiB, held=0, utilization=None)
+    assert alone.bytes == int(0.9 * H200) and not alone.limited_by_free
+    assert "--gpu-memory-utilization 0.90" in alone.how and "raise --gpu-memory-utilization" in alone.advice
+    shared = process_budget(H200, free=12 * GiB, held=0, utilization=0.9)
+    assert shared.bytes == 12 * GiB and shared.limited_by_free
+    assert "other processes hold 128.00 GiB" in shared.how and "free the GPU" in shared.advice
+    # What the process already holds counts as its own, not another process's.
+    assert process_budget(H200, free=12 * GiB, held=20 * GiB, utilization=0.9).bytes == 32 * GiB
+    assert process_budget(H200, free=50 * GiB, held=20 * GiB, utilization=0.45).bytes == int(0.45 * H200)
+    exact = process_budget(H200, free=50 * GiB, held=0, utilization=0.1, exact_kv=True)
+    assert exact.bytes == 50 * GiB and "--kv-cache-memory" in exact.how
+
+
+def test_kv_bytes_count_the_allocators_rounding_and_the_scratch_block():
+    assert kv_tensor_bytes(0, 8 * MiB, 64) == 64 * ALLOCATOR_ROUNDING  # the scratch block alone, rounded
+    assert kv_tensor_bytes(63, 8 * MiB, 64) == 64 * 8 * MiB
+    for available in (10 * GiB, 10 * GiB + 3 * MiB, 123_456_789_012):
+        blocks = blocks_for_bytes(available, 8 * MiB, 64)
+        assert kv_tensor_bytes(blocks, 8 * MiB, 64) <= available < kv_tensor_bytes(blocks + 1, 8 * MiB, 64)
+
+
+def test_the_kv_cache_gets_what_the_other_lines_leave():
+    budget = process_budget(H200, free=H200, held=0, utilization=0.9)
+    plan = plan_kv(budget, lines(), LLAVA7B_KV, "cuda:0", H200)
+    others = 13 * GiB + 2 * GiB + 300 * MiB
+    assert plan.planned_bytes <= budget.bytes
+    assert budget.bytes - plan.planned_bytes < 8 * MiB + 64 * ALLOCATOR_ROUNDING  # less than one block is left
+    assert plan.line("kv_cache").bytes == plan.planned_bytes - others
+    assert plan.kv_tokens == plan.kv_blocks * 16
+    assert plan.torch_cap_bytes == plan.planned_bytes - 300 * MiB  # the runtime is outside torch's allocator
+    text = plan.render()
+    assert "weights" in text and "kv_cache" in text and f"{plan.kv_blocks} blocks" in text
+    assert plan.to_dict()["kv_cache"]["tokens"] == plan.kv_tokens
+
+
+def test_a_small_model_takes_what_it_can_use_not_the_share():
+    budget = process_budget(H200, free=H200, held=0, utilization=0.9)
+    small = KVRequest(per_block=128 * 1024, tensors=8, block_size=16, min_blocks=128, need_blocks=2 * 16 * 128)
+    plan = plan_kv(budget, lines(weights=20 * MiB, step=50 * MiB), small, "cuda:0", H200)
+    assert plan.kv_blocks == 2 * 16 * 128 and "capped" in plan.line("kv_cache").how
+    assert plan.planned_bytes < GiB
+
+
+def test_free_memory_at_sizing_time_limits_the_kv_cache():
+    budget = process_budget(H200, free=H200, held=0, utilization=0.9)
+    plan = plan_kv(budget, lines(), LLAVA7B_KV, "cuda:0", H200, free_now=60 * GiB, pending=2 * GiB)
+    assert plan.line("kv_cache").bytes <= 58 * GiB and plan.notes
+
+
+def test_an_exact_kv_size_is_honoured_or_refused():
+    budget = process_budget(H200, free=100 * GiB, held=0, utilization=None, exact_kv=True)
+    plan = plan_kv(budget, lines(), replace(LLAVA7B_KV, exact_bytes=40 * GiB), "cuda:0", H200)
+    assert plan.kv_blocks == 40 * GiB // (8 * MiB) and "--kv-cache-memory" in plan.line("kv_cache").how
+    with pytest.raises(MemoryPlanError, match="--kv-cache-memory 90.00 GiB") as err:
+        plan_kv(budget, lines(), replace(LLAVA7B_KV, exact_bytes=90 * GiB), "cuda:0", H200)
+    assert "Lower --kv-cache-memory" in err.value.message and err.value.code == "insufficient_memory"
+
+
+def test_a_plan_without_room_for_one_longest_sequence_is_refused_with_need_free_and_flag():
+    # Another process holds most of the device: 16 GiB are free for a 13 GiB model.
+    budget = process_budget(H200, free=16 * GiB, held=0, utilization=0.9)
+    with pytest.raises(MemoryPlanError) as err:
+        plan_kv(budget, lines(), LLAVA7B_KV, "cuda:0", H200)
+    message = err.value.message
+    assert "one sequence of --max-model-len 4096 tokens" in message and "2.00 GiB" in message  # 256 blocks x 8 MiB
+    assert "other processes hold" in message and "free the GPU" in message and "--max-model-len" in message
+
+
+def test_weights_that_cannot_fit_are_refused_before_loading():
+    check_weights_fit(13 * GiB, "bfloat16", "cuda:0", H200, free=H200, utilization=None, kv_exact=None)
+    with pytest.raises(MemoryPlanError) as err:
+        check_weights_fit(13 * GiB, "bfloat16", "cuda:0", H200, free=12 * GiB, utilization=None, kv_exact=None)
+    message = err.value.message
+    assert "weights need 13.00 GiB (bfloat16)" in message and "only 12.00 GiB is free" in message
+    assert "Nothing was loaded" in message
+    with pytest.raises(MemoryPlanError, match="raise --gpu-memory-utilization"):
+        check_weights_fit(13 * GiB, "bfloat16", "cuda:0", H200, free=H200, utilization=0.05, kv_exact=None)
