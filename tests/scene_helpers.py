@@ -50,8 +50,10 @@ class LiveServer:
 def start_server(settings: ServerSettings, loaded: LoadedModel) -> tuple[LiveServer, uvicorn.Server, threading.Thread]:
     from fovea.serve.app import create_app
 
+    from fovea.serve.http_protocol import uvicorn_options
+
     app = create_app(settings, loaded=loaded)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", **uvicorn_options())
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -78,3 +78,32 @@ def test_step_overlap_and_fused_vision_are_automatic_or_forced(demo_model):
     assert auto.overlap_steps is False and auto.fused_vision is False
     with pytest.raises(ValueError, match="--step-overlap must be one of auto, on, off"):
         ServerSettings(step_overlap="yes")
+
+
+@pytest.mark.parametrize("device, dtype, expected", [
+    ("cpu", "bfloat16", "bfloat16"), ("cpu", "float16", "float16"), ("cpu", "auto", "float32"),
+    ("cuda", "auto", "bfloat16"), ("cuda:1", "float32", "float32"),
+])
+def test_doctor_estimates_memory_in_the_dtype_asked_for(monkeypatch, device, dtype, expected):
+    import torch
+
+    from fovea.guard import doctor
+
+    seen = []
+    monkeypatch.setattr(doctor, "estimate_serving_bytes", lambda path, d: seen.append(d) or 0)
+    monkeypatch.setattr(doctor, "environment_checks", lambda **kw: [])
+    monkeypatch.setattr(doctor, "model_dir_check", lambda path: doctor.Check("model.directory", doctor.Status.FAIL, ""))
+    doctor.doctor_checks(None, device, dtype)
+    assert seen == [getattr(torch, expected)]
+
+
+def test_doctor_json_carries_the_memory_plan():
+    import json
+
+    result = run_cli("doctor", "--json", "--device", "cpu", "--kv-cache-memory", "64MiB")
+    report = json.loads(result.stdout)
+    plan = report["memory_plan"]
+    check = next(c for c in report["checks"] if c["name"] == "memory.plan")
+    assert check["status"] == "pass" and "kv_cache" in check["detail"]
+    kv = next(line for line in plan["lines"] if line["name"] == "kv_cache")
+    assert "--kv-cache-memory" in kv["how"] and plan["planned_bytes"] == sum(l["bytes"] for l in plan["lines"])

@@ -149,6 +149,7 @@ def serve(args: argparse.Namespace) -> int:
     from fovea.config import ServerSettings
     from fovea.media.config import MediaConfig
     from fovea.serve.app import create_app
+    from fovea.serve.http_protocol import uvicorn_options
 
     media_kwargs = {}
     if args.max_image_bytes is not None:
@@ -176,7 +177,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a combination of flags that cannot work: one line, no traceback
         raise FoveaError(str(exc)) from None
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level.lower())
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level.lower(), **uvicorn_options())
     return 0
 
 
@@ -184,8 +185,14 @@ def doctor(args: argparse.Namespace) -> int:
     from fovea.guard.checks import exit_code, render_json, render_text
     from fovea.guard.doctor import doctor_checks
 
-    checks = doctor_checks(args.model, args.device, args.dtype)
-    print(render_json(checks) if args.json else render_text(checks))
+    from fovea.engine.paged import PagedEngineConfig
+
+    config = PagedEngineConfig(max_num_seqs=args.max_batch_size, max_num_batched_tokens=args.max_batched_tokens,
+                               gpu_memory_utilization=args.gpu_memory_utilization,
+                               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
+    report: dict = {}
+    checks = doctor_checks(args.model, args.device, args.dtype, engine_config=config, report=report)
+    print(render_json(checks, report) if args.json else render_text(checks))
     return exit_code(checks)
 
 

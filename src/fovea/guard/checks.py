@@ -59,12 +59,14 @@ def render_text(checks: Iterable[Check]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_json(checks: Iterable[Check]) -> str:
-    """``{"ok": bool, "counts": {"pass": n, ...}, "checks": [{"name", "status", "detail", "remedy"}]}``."""
+def render_json(checks: Iterable[Check], extra: dict | None = None) -> str:
+    """``{"ok": bool, "counts": {"pass": n, ...}, "checks": [{"name", "status", "detail", "remedy"}]}``
+    plus the ``extra`` fields (the memory plan)."""
     checks = list(checks)
     body = {
         "ok": exit_code(checks) == 0,
         "counts": counts(checks),
         "checks": [check.to_dict() for check in checks],
+        **(extra or {}),
     }
     return json.dumps(body, indent=2)

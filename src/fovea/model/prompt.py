@@ -26,7 +26,9 @@ class PlaceholderMismatch(FoveaError):
 @dataclass
 class EncodedPrompt:
     input_ids: list[int]
-    pixel_values: torch.Tensor | None  # [n_images, 3, H, W] on the model's device and dtype
+    # [n_images, 3, H, W] in the model's dtype, on the host: a request waiting in the queue holds
+    # no device memory; the engine moves a batch of images to the device when it encodes them.
+    pixel_values: torch.Tensor | None
     num_images: int
     prompt_text: str
     image_hashes: list[str] = field(default_factory=list)  # content hash of each preprocessed image
@@ -57,7 +59,7 @@ def encode_prompt(loaded: LoadedModel, text: str, images: list[Image.Image], *,
     if images:
         encoded = processor(text=text, images=images, return_tensors="pt")
         hashes = [pixel_hash(p) for p in encoded["pixel_values"]]
-        pixel_values = encoded["pixel_values"].to(device=loaded.device, dtype=loaded.dtype)
+        pixel_values = encoded["pixel_values"].to(dtype=loaded.dtype)
     else:
         encoded = processor.tokenizer(text, return_tensors="pt")
         pixel_values = None

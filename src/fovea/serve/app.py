@@ -28,6 +28,7 @@ from fovea.serve.images_api import make_images_router
 from fovea.serve.metrics import Metrics
 from fovea.serve.request_gate import RequestGate
 from fovea.serve.state import ServerState
+from fovea.serve.trailing_slash import StripTrailingSlash
 
 log = logging.getLogger("fovea.serve")
 
@@ -122,7 +123,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                     await task
             engine.stop()
 
-    app = FastAPI(title="fovea", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="fovea", version=__version__, lifespan=lifespan, redirect_slashes=False)
     app.state.fovea = state
     install_error_handlers(app, on_error_code=metrics.observe_error_code)
 
@@ -171,10 +172,11 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             "created": 0,
             "owned_by": "fovea",
             "root": state.model_name,  # not the server's filesystem path
-            "max_model_len": loaded.context_length,
+            "max_model_len": getattr(engine, "max_context", loaded.context_length),
         }]}
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(StripTrailingSlash)
     app.include_router(make_chat_router(state))
     app.include_router(make_completions_router(state))
     app.include_router(make_images_router(state.store, settings.media))

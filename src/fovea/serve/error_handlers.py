@@ -14,6 +14,7 @@ from fovea.errors import FoveaError
 
 log = logging.getLogger("fovea.serve")
 
+_FASTAPI_PARSE_ERROR = "There was an error parsing the body"
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -63,7 +64,15 @@ def install_error_handlers(app: FastAPI, on_error_code: Callable[[str], None] | 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
-        return JSONResponse(error_body(str(exc.detail), code), status_code=exc.status_code,
+        message = str(exc.detail)
+        if exc.status_code == 400:
+            # FastAPI's own 400 is a body it could not parse (JSON nested past the parser's
+            # depth, bytes that are not UTF-8): the README's invalid_request, not a bare HTTP error.
+            code = "invalid_request"
+            if message == _FASTAPI_PARSE_ERROR:
+                message = ("the request body is not valid JSON (it could not be parsed: nested too deeply, "
+                           "or not UTF-8 text)")
+        return JSONResponse(error_body(message, code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)

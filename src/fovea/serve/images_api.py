@@ -120,7 +120,7 @@ async def _json_image(request: Request, config: MediaConfig) -> bytes:
     body = await _read_body(request, config.max_image_bytes * 4 // 3 * 21 // 20 + _FORM_OVERHEAD, config)
     try:
         payload = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nesting deeper than the parser's stack
         raise InvalidRequest("The request body is not valid JSON; send {\"image\": \"<data URL or "
                              "base64>\"}.") from None
     ref = payload.get("image") if isinstance(payload, dict) else None

@@ -4,7 +4,7 @@
 
 Loads the shipped demo model, serves a batch of fresh scenes through PagedEngine (with
 the Triton decode and CUDA graphs when on CUDA) and compares each greedy answer with
-transformers' generate on the same device. Exits 1 if float32 answers differ.
+transformers' generate on the same device. Exits 1 if any answer differs.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.tensor([prompt.input_ids], device=loaded.device)
         with torch.no_grad():
             ref = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                        pixel_values=prompt.pixel_values, max_new_tokens=40, do_sample=False)
+                                        pixel_values=prompt.pixel_values.to(loaded.device), max_new_tokens=40, do_sample=False)
         ref_tokens = ref[0, ids.shape[1]:].tolist()
         if ref_tokens and ref_tokens[-1] in loaded.eos_token_ids:
             ref_tokens = ref_tokens[:-1]
@@ -87,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
           f"steps={engine.steps} queued_ahead={engine.steps_queued_ahead} kv_blocks={runner.kv_plan.num_blocks} ({runner.kv_plan.source})")
     print(f"{same}/{len(prompts)} answers token-identical to transformers generate; "
           f"{len(prompts)} requests in {seconds:.2f} s")
-    ok = same == len(prompts) or args.dtype != "float32"
-    print("PASS" if ok else "FAIL")
+    # Every answer must match, in every dtype: the demo model's logits are far from ties, and
+    # fovea's kernels round where transformers' eager ops round.
+    ok = same == len(prompts)
+    print("PASS" if ok else f"FAIL: {len(prompts) - same} answer(s) differ")
     return 0 if ok else 1
 
 

@@ -1,0 +1,95 @@
+"""What an adversarial probe of the server found, pinned: parser depth, JSON errors, the slash
+redirect, the model path, idle connections."""
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from fovea.serve.http_protocol import DeadlineH11Protocol
+
+DEEP = "[" * 100_000 + "]" * 100_000
+ROUTES = ["/v1/images", "/v1/chat/completions", "/v1/completions", "/generate"]
+
+
+@pytest.fixture(scope="module")
+def server(make_server):
+    return make_server()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("payload", [DEEP.encode(), b"{not json", b'{"prompt": "\xff\xfe"}'],
+                         ids=["nested-100k", "broken", "not-utf8"])
+def test_unparseable_bodies_are_invalid_request_400s(server, assert_error, route, payload):
+    reply = httpx.post(server.base_url + route, content=payload, headers={"content-type": "application/json"},
+                       timeout=60)
+    error = assert_error(reply, 400, "invalid_request")
+    assert "JSON" in error["message"]
+
+
+def test_a_trailing_slash_is_served_in_place_not_redirected_to_the_clients_host(server):
+    reply = httpx.get(server.base_url + "/v1/models/", headers={"Host": "evil.example"}, follow_redirects=False)
+    assert reply.status_code == 200 and "location" not in reply.headers
+    assert reply.json()["data"][0]["id"] == "fovea-shapes"
+    assert httpx.get(server.base_url + "/health/").json()["status"] in ("ok", "degraded")
+
+
+def test_models_do_not_expose_the_servers_filesystem(server):
+    model = httpx.get(server.base_url + "/v1/models").json()["data"][0]
+    assert model["root"] == model["id"] and "/" not in model["root"]
+    assert model["max_model_len"] == server.app.state.fovea.engine.max_context
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True when the server closes the connection within ``seconds`` (the peer's EOF arrives)."""
+    sock.settimeout(seconds)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.fixture
+def quick_deadline(monkeypatch, make_server):
+    monkeypatch.setattr(DeadlineH11Protocol, "head_timeout_s", 0.5)
+    live = make_server()
+    host, port = live.base_url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def test_a_connection_that_never_sends_is_closed(quick_deadline):
+    with socket.create_connection(quick_deadline) as sock:
+        started = time.monotonic()
+        assert closed_within(sock, 10)
+        assert time.monotonic() - started >= 0.4
+
+
+def test_a_client_dripping_a_request_head_is_closed(quick_deadline):
+    with socket.create_connection(quick_deadline) as sock:
+        started = time.monotonic()
+        for byte in b"GET /health HTTP/1.1\r\n":
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            if time.monotonic() - started > 3:
+                break
+            time.sleep(0.05)
+        assert closed_within(sock, 10)
+        assert time.monotonic() - started < 3
+
+
+def test_a_kept_alive_connection_serves_then_closes_when_idle(quick_deadline):
+    with socket.create_connection(quick_deadline) as sock:
+        for _ in range(2):
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.settimeout(10)
+            head = sock.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200")
+        assert closed_within(sock, 10)
