@@ -35,6 +35,10 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _workers(text: str) -> int | None:
+    return None if text == "auto" else _non_negative_int(text)
+
+
 def _memory_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=fraction, default=None,
                         help="share of the GPU's total memory this process may hold (default 0.9); on a GPU "
@@ -71,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="paged engine: the vision stage through fovea's fused kernels instead of "
                             "transformers' modules (auto: as --step-overlap)")
     _memory_args(serve)
+    serve.add_argument("--preprocess-workers", type=_workers, default=None,
+                       help="processes that decode images and run the model's processor: auto (none on CPU, "
+                            "else about half the cores, at most 8) or a number (0: threads of the server)")
+    serve.add_argument("--exact-image-resize", action="store_true",
+                       help="give the processor every pixel of large images (default: images four times the "
+                            "model's input are reduced to about twice it first, JPEGs while decoding)")
     serve.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests beyond this get 429")
     serve.add_argument("--limit-images-per-prompt", type=_non_negative_int, default=4)
     serve.add_argument("--max-body-bytes", type=byte_size, default=32 * 1024 * 1024)
@@ -163,6 +173,7 @@ def serve(args: argparse.Namespace) -> int:
             max_batched_tokens=args.max_batched_tokens, step_overlap=args.step_overlap,
             fused_vision=args.fused_vision, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+            preprocess_workers=args.preprocess_workers,
             max_queue=args.max_queue, limit_images_per_prompt=args.limit_images_per_prompt,
             max_body_bytes=args.max_body_bytes, api_key=args.api_key,
             processor_override=args.processor_override, force_processor_override=args.force_processor_override,
@@ -171,6 +182,7 @@ def serve(args: argparse.Namespace) -> int:
                 allowed_media_dirs=tuple(args.allowed_media_dir),
                 allowed_media_domains=tuple(args.allowed_media_domains),
                 allow_private_addresses=args.allow_private_media_addresses,
+                prereduce=not args.exact_image_resize,
                 **media_kwargs,
             ),
         )

@@ -35,6 +35,9 @@ class ServerSettings:
     gpu_memory_utilization: float | None = None
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
+    # Processes that decode images and run the model's processor (None: none on CPU, else about
+    # half the cores, at most 8; 0: this process's threads). serve/preprocess.py says why.
+    preprocess_workers: int | None = None
     max_queue: int = 256
     limit_images_per_prompt: int = 4
     max_body_bytes: int = 32 * 1024 * 1024
@@ -60,6 +63,8 @@ class ServerSettings:
         for flag, value in (("--step-overlap", self.step_overlap), ("--fused-vision", self.fused_vision)):
             if value not in SWITCH:
                 raise ValueError(f"{flag} must be one of auto, on, off, not {value!r}")
+        if self.preprocess_workers is not None and self.preprocess_workers < 0:
+            raise ValueError("--preprocess-workers must be 0 (threads of this process) or more")
         if self.limit_images_per_prompt < 0:
             raise ValueError("--limit-images-per-prompt must be 0 or more")
         if self.max_body_bytes < 1024:

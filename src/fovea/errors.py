@@ -27,6 +27,16 @@ class FoveaError(Exception):
     def to_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def __reduce__(self):
+        # Refusals cross process boundaries (the preprocessing workers) whole: code, status, param.
+        return (_rebuild, (type(self), self.message, self.code, self.status, self.param))
+
+
+def _rebuild(cls: type[FoveaError], message: str, code: str, status: int, param: str | None) -> FoveaError:
+    error = cls.__new__(cls)
+    FoveaError.__init__(error, message, code=code, status=status, param=param)
+    return error
+
 
 class InvalidRequest(FoveaError):
     status, code = 400, "invalid_request"

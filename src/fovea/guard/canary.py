@@ -12,11 +12,13 @@ floor so that a model that ignores everything cannot calibrate itself into passi
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -28,7 +30,7 @@ from fovea.engine.sampling import SamplingParams
 from fovea.media import decode_image_bytes
 from fovea.media.config import MediaConfig
 from fovea.model.loader import LoadedModel
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.model.prompt import EncodedPrompt, encode_prompt, render_chat
 
 KL_FLOOR = 0.05  # nats; below this an answer does not depend on the image in any useful way
 
@@ -112,8 +114,12 @@ class CanaryResult:
 
 class Canary:
     def __init__(self, loaded: LoadedModel, engine: Engine, cases: tuple[CanaryCase, ...] = DEFAULT_CASES,
-                 media: MediaConfig | None = None, floor: float = KL_FLOOR) -> None:
+                 media: MediaConfig | None = None, floor: float = KL_FLOOR,
+                 prompts: Callable[..., Awaitable[tuple[EncodedPrompt, EncodedPrompt | None]]] | None = None) -> None:
+        """``prompts``: the server's preprocessor (``Preprocessor.prompts``), so the canary's images take
+        the path requests' images take; without it they are decoded and encoded in a thread here."""
         self.loaded = loaded
+        self.prompts = prompts
         self.engine = engine
         self.cases = cases
         self.media = media or MediaConfig()
@@ -123,9 +129,13 @@ class Canary:
         self._variants = itertools.count(1)
 
     async def _first_logprobs(self, image_bytes: bytes, question: str, max_tokens: int) -> tuple[str, torch.Tensor]:
-        image = decode_image_bytes(image_bytes, self.media)  # the serving path's decoder
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        prompt = encode_prompt(self.loaded, render_chat(self.loaded, messages), [image])
+        text = render_chat(self.loaded, messages)
+        if self.prompts is not None:
+            prompt, _ = await self.prompts(text, [(image_bytes, "canary")])
+        else:
+            image = await asyncio.to_thread(decode_image_bytes, image_bytes, self.media)  # the serving decoder
+            prompt = await asyncio.to_thread(encode_prompt, self.loaded, text, [image])
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         async for event in self.engine.generate(prompt, params, want_first_logprobs=True):
             if isinstance(event, FinishEvent):

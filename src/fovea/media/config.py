@@ -30,6 +30,14 @@ class MediaConfig:
     background: tuple[int, int, int] = (255, 255, 255)
     store_max_bytes: int = 256 * MiB
     store_ttl_s: float = 3600.0
+    # Images four times larger than the model's input are brought to about twice it before the
+    # processor's resize (JPEG: decoded at a reduced scale). False: the processor sees every pixel.
+    prereduce: bool = True
+    # Decoding an image over large_image_pixels takes a share of large_decode_budget_bytes
+    # (width x height x 4 bytes for each one in progress): large decodes wait for each other,
+    # small ones never wait for them.
+    large_image_pixels: int = 4_000_000
+    large_decode_budget_bytes: int = 512 * MiB
 
     def __post_init__(self) -> None:
         _positive_int("max_image_bytes", self.max_image_bytes)
@@ -40,6 +48,8 @@ class MediaConfig:
                 f"store_max_bytes ({self.store_max_bytes}) must be at least max_image_bytes "
                 f"({self.max_image_bytes}), otherwise an accepted image could never be stored."
             )
+        _positive_int("large_image_pixels", self.large_image_pixels)
+        _positive_int("large_decode_budget_bytes", self.large_decode_budget_bytes)
         _positive_number("fetch_timeout_s", self.fetch_timeout_s)
         _positive_number("store_ttl_s", self.store_ttl_s)
         if not isinstance(self.allow_private_addresses, bool):

@@ -8,6 +8,7 @@ decode only after them, and every exception the decoder can throw turned into a 
 from __future__ import annotations
 
 import io
+import math
 import threading
 import warnings
 from collections.abc import Iterator
@@ -42,8 +43,16 @@ MiB = 1024 * 1024
 _GLOBALS_LOCK = threading.Lock()
 
 
-def decode_image_bytes(data: bytes, config: MediaConfig) -> Image.Image:
-    """Decode ``data`` to an upright RGB image, refusing anything over ``config``'s limits."""
+def decode_image_bytes(data: bytes, config: MediaConfig, reduce_to: int | None = None) -> Image.Image:
+    """Decode ``data`` to an upright RGB image, refusing anything over ``config``'s limits.
+
+    ``reduce_to``: the shortest side the model's processor resizes to. An image at least four
+    times that large is brought down to about twice it before the processor sees it (unless
+    ``config.prereduce`` is off): a JPEG by its decoder's DCT scaling, so the full-size pixels
+    are never decoded, any other format by an integer box reduction after decoding. The
+    processor's own resize then does the rest; the two-step result differs from the one-step
+    one by rounding (tests/media/test_media_reduce.py measures it).
+    """
     check_byte_size(len(data), config)
     if not data:
         raise MalformedImage("The image is empty (0 bytes); send the file's contents.")
@@ -54,10 +63,13 @@ def decode_image_bytes(data: bytes, config: MediaConfig) -> Image.Image:
             f"{unsupported} images are not supported; convert it to {ACCEPTED_DESCRIPTION}.")
     try:
         im = _open_checked(data, config, claimed)
+        target = reduce_to if config.prereduce else None
+        if target and im.format == "JPEG":
+            _draft(im, target)
         _load_strict(im)
         check_pixels(im.size, config)  # a GIF's first frame may extend its logical screen
-        im = _upright(im)
-        return to_rgb(im, config.background)
+        rgb = to_rgb(_upright(im), config.background)
+        return _reduce(rgb, target) if target else rgb
     except FoveaError:
         raise
     except Image.DecompressionBombError as exc:
@@ -70,6 +82,20 @@ def decode_image_bytes(data: bytes, config: MediaConfig) -> Image.Image:
         raise MalformedImage(
             f"The {claimed or 'image'} data is truncated or corrupt and could not be decoded "
             f"({_reason(exc)}); re-export or re-upload the image.") from exc
+
+
+def _draft(im: ImageFile.ImageFile, target: int) -> None:
+    """Ask the JPEG decoder for a 1/2, 1/4 or 1/8 scale that keeps twice ``target`` on the short side."""
+    short = min(im.size)
+    if short >= 4 * target:
+        scale = 2 * target / short
+        im.draft(im.mode, (math.ceil(im.size[0] * scale), math.ceil(im.size[1] * scale)))
+
+
+def _reduce(rgb: Image.Image, target: int) -> Image.Image:
+    """Box-reduce an RGB image by the integer factor that keeps at least twice ``target`` on the short side."""
+    factor = min(rgb.size) // (2 * target)
+    return rgb.reduce(factor) if factor >= 2 else rgb
 
 
 def check_byte_size(n: int, config: MediaConfig) -> None:

@@ -38,6 +38,10 @@ class MediaResolver:
         # Fetching and decoding block for milliseconds to seconds; keep them off the event loop.
         return await asyncio.to_thread(self.load, ref)
 
+    async def aload_bytes(self, ref: str) -> bytes:
+        """``load_bytes`` off the event loop: a fetch blocks, a large base64 payload takes milliseconds."""
+        return await asyncio.to_thread(self.load_bytes, ref)
+
     def load_bytes(self, ref: str) -> bytes:
         """The referenced image's encoded bytes (not yet validated as an image)."""
         if not isinstance(ref, str):

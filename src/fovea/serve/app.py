@@ -122,6 +122,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             engine.stop()
+            state.preprocessor.close()
 
     app = FastAPI(title="fovea", version=__version__, lifespan=lifespan, redirect_slashes=False)
     app.state.fovea = state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from fovea.config import ServerSettings
@@ -11,6 +12,7 @@ from fovea.media import ImageStore, MediaResolver
 from fovea.model.contract import ModelContract
 from fovea.model.loader import LoadedModel
 from fovea.serve.metrics import Metrics
+from fovea.serve.preprocess import Preprocessor
 
 
 @dataclass
@@ -26,6 +28,7 @@ class ServerState:
     contract: ModelContract
     metrics: Metrics
     canary: Canary
+    preprocessor: Preprocessor
 
     def health(self) -> tuple[str, list[str]]:
         """("ok" | "degraded", reasons)."""
@@ -47,6 +50,8 @@ class ServerState:
         gen = loaded.model.generation_config
         sampling = bool(getattr(gen, "do_sample", False))
         store = ImageStore(settings.media)
+        preprocessor = Preprocessor(loaded, settings.media, preprocess_workers(settings, loaded),
+                                    contract.recipe_fingerprint)
         return cls(
             settings=settings,
             loaded=loaded,
@@ -58,5 +63,16 @@ class ServerState:
             default_top_p=float(gen.top_p or 1.0) if sampling else 1.0,
             contract=contract,
             metrics=metrics,
-            canary=Canary(loaded, engine, media=settings.media),
+            canary=Canary(loaded, engine, media=settings.media, prompts=preprocessor.prompts),
+            preprocessor=preprocessor,
         )
+
+
+def preprocess_workers(settings: ServerSettings, loaded: LoadedModel) -> int:
+    """--preprocess-workers, or by default: none on a CPU device (the model uses every core but
+    one), else half the cores beyond two, at most 8."""
+    if settings.preprocess_workers is not None:
+        return settings.preprocess_workers
+    if loaded.device.type == "cpu":
+        return 0
+    return min(8, max(1, ((os.cpu_count() or 2) - 2) // 2))

@@ -1,0 +1,220 @@
+"""Image bytes and prompt text in, an ``EncodedPrompt`` out, off the event loop and off the engine's GIL.
+
+Decoding an image and running the model's processor on it cost milliseconds of CPU per
+request, much of it holding the GIL: in the server's process that time is taken from the
+event loop and from the engine's worker thread, whose steps must be launched on time. With
+``workers`` > 0 it runs in that many worker processes instead (each holds a copy of the
+model's processor, overrides included, and proves it with the recipe fingerprint of every
+answer); with 0 it runs in this process's threads.
+
+Large images take a lane of their own: an image over ``large_image_pixels`` waits for a share
+of ``large_decode_budget_bytes`` (its pixels x ``DECODE_BYTES_PER_PIXEL``) and for one of the
+workers that large decodes may use, never all of them, so small requests never queue behind
+large ones and the memory that decodes take together is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import multiprocessing
+import pickle
+import weakref
+from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from fovea.errors import FoveaError
+from fovea.media import MediaConfig, decode_image_bytes
+from fovea.model.contract import fingerprint, recipe_of
+from fovea.model.prompt import EncodedPrompt, encode_prompt
+
+log = logging.getLogger("fovea.serve")
+
+# Peak bytes per pixel of decoding a large image: a PNG decoded as RGBA (4), its RGB
+# conversion (3) and the transposed or composited copies beside them.
+DECODE_BYTES_PER_PIXEL = 10
+
+
+class PreprocessingFailed(FoveaError):
+    status, code, type = 500, "preprocessing_failed", "server_error"
+
+
+@dataclass(frozen=True, slots=True)
+class PromptModel:
+    """What building a prompt needs of the model: its processor and image token (no weights)."""
+
+    processor: Any
+    image_token: str
+    image_token_id: int
+    dtype: torch.dtype
+
+
+def target_short_side(image_processor: Any) -> int | None:
+    """The shortest side the processor resizes images to (None when it does not say)."""
+    size = getattr(image_processor, "size", None) or {}
+    if not isinstance(size, dict):
+        size = {k: getattr(size, k, None) for k in ("shortest_edge", "height", "width")}
+    if size.get("shortest_edge"):
+        return int(size["shortest_edge"])
+    sides = [size[k] for k in ("height", "width") if size.get(k)]
+    return int(min(sides)) if sides else None
+
+
+def build_prompts(model: PromptModel, media: MediaConfig, reduce_to: int | None, text: str,
+                  images: list[tuple[bytes, str]], template_rendered: bool,
+                  blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None, str]:
+    """Decode each image (its refusal names ``where``, its request path) and encode the prompt,
+    and with ``blank_twin`` the same prompt with blank images; plus the recipe's fingerprint."""
+    decoded = []
+    for data, where in images:
+        try:
+            decoded.append(decode_image_bytes(data, media, reduce_to))
+        except FoveaError as exc:
+            exc.param = where
+            raise
+    prompt = encode_prompt(model, text, decoded, template_rendered=template_rendered)
+    twin = None
+    if blank_twin and decoded:
+        blanks = [Image.new("RGB", im.size, (255, 255, 255)) for im in decoded]
+        twin = encode_prompt(model, text, blanks, template_rendered=template_rendered)
+    return prompt, twin, fingerprint(recipe_of(model.processor.image_processor))
+
+
+# ---- worker processes -----------------------------------------------------------------
+_WORKER: tuple[PromptModel, MediaConfig, int | None] | None = None
+
+
+def _init_worker(processor: bytes, image_token: str, image_token_id: int, dtype: str, media: MediaConfig,
+                 reduce_to: int | None) -> None:
+    global _WORKER
+    torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
+    model = PromptModel(pickle.loads(processor), image_token, image_token_id, getattr(torch, dtype))
+    _WORKER = (model, media, reduce_to)
+
+
+def _work(text: str, images: list[tuple[bytes, str]], template_rendered: bool, blank_twin: bool):
+    assert _WORKER is not None, "worker not initialised"
+    model, media, reduce_to = _WORKER
+    return build_prompts(model, media, reduce_to, text, images, template_rendered, blank_twin)
+
+
+def _ping() -> str:
+    assert _WORKER is not None
+    return fingerprint(recipe_of(_WORKER[0].processor.image_processor))
+
+
+# ---- the large-image lane ----------------------------------------------------------------
+class DecodeBudget:
+    """Bytes that large decodes may hold together, and how many may run at once (per event loop)."""
+
+    def __init__(self, total_bytes: int, concurrency: int) -> None:
+        self.total = total_bytes
+        self.concurrency = max(1, concurrency)
+        self._state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.in_use = 0
+        self.running = 0
+        self.peak_running = 0
+
+    def _condition(self) -> asyncio.Condition:
+        loop = asyncio.get_running_loop()
+        cond = self._state.get(loop)
+        if cond is None:
+            cond = self._state[loop] = asyncio.Condition()
+        return cond
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        nbytes = min(nbytes, self.total)  # one image larger than the budget runs alone
+        cond = self._condition()
+        async with cond:
+            await cond.wait_for(lambda: self.in_use + nbytes <= self.total and self.running < self.concurrency)
+            self.in_use += nbytes
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+        try:
+            yield
+        finally:
+            async with cond:
+                self.in_use -= nbytes
+                self.running -= 1
+                cond.notify_all()
+
+
+def header_pixels(data: bytes) -> int:
+    """Width x height from the image's header alone (0 when the header cannot be read: the
+    decoder will say why)."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return im.size[0] * im.size[1]
+    except Exception:  # noqa: BLE001 - any failure: let decode_image_bytes refuse it properly
+        return 0
+
+
+class Preprocessor:
+    def __init__(self, loaded: Any, media: MediaConfig, workers: int, recipe_fingerprint: str) -> None:
+        self.model = PromptModel(loaded.processor, loaded.image_token, loaded.image_token_id, loaded.dtype)
+        self.media = media
+        self.reduce_to = target_short_side(loaded.processor.image_processor)
+        self.fingerprint = recipe_fingerprint
+        self.workers = workers
+        self.pool: ProcessPoolExecutor | None = None
+        self._initargs = (pickle.dumps(loaded.processor), loaded.image_token, loaded.image_token_id,
+                          str(loaded.dtype).removeprefix("torch."), media, self.reduce_to)
+        if workers > 0:
+            self._start_pool()
+            log.info("preprocessing in %d worker processes", workers)
+        # Large decodes may use all workers but one (all threads but a few in thread mode).
+        self.large = DecodeBudget(media.large_decode_budget_bytes, workers - 1 if workers > 1 else 2)
+
+    def _start_pool(self) -> None:
+        self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_init_worker, initargs=self._initargs)
+        # Start every worker now and check it runs the contract's recipe, not at the first request.
+        answers = {f.result() for f in [self.pool.submit(_ping) for _ in range(self.workers)]}
+        if answers != {self.fingerprint}:
+            self.close()
+            raise PreprocessingFailed(f"preprocessing workers run the recipe(s) {sorted(answers)}, not the "
+                                      f"model contract's {self.fingerprint}; refusing to start")
+
+    async def prompts(self, text: str, images: list[tuple[bytes, str]], *, template_rendered: bool = True,
+                      blank_twin: bool = False) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+        large = sum(p for p in (header_pixels(data) for data, _ in images) if p > self.media.large_image_pixels)
+        if large:
+            async with self.large.hold(large * DECODE_BYTES_PER_PIXEL):
+                return await self._run(text, images, template_rendered, blank_twin)
+        return await self._run(text, images, template_rendered, blank_twin)
+
+    async def _run(self, text: str, images: list[tuple[bytes, str]], template_rendered: bool,
+                   blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+        if self.pool is None:
+            prompt, twin, recipe = await asyncio.to_thread(build_prompts, self.model, self.media, self.reduce_to,
+                                                           text, images, template_rendered, blank_twin)
+        else:
+            loop = asyncio.get_running_loop()
+            try:
+                prompt, twin, recipe = await loop.run_in_executor(self.pool, _work, text, images, template_rendered,
+                                                                  blank_twin)
+            except BrokenProcessPool:
+                # A worker died (killed for memory, say): this request fails loudly, the next gets new workers.
+                log.exception("a preprocessing worker died; starting new ones")
+                self.close()
+                await asyncio.to_thread(self._start_pool)
+                raise PreprocessingFailed("a preprocessing worker died while preparing this request's images; "
+                                          "retry it") from None
+        if recipe != self.fingerprint:  # what crosses a boundary carries its contract
+            raise PreprocessingFailed(f"the image was preprocessed with recipe {recipe}, not the model contract's "
+                                      f"{self.fingerprint}; the request was not run")
+        return prompt, twin
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None

@@ -1,0 +1,1 @@
+"""Tools for benchmarks and tests: model directories of real architectures with random weights."""
