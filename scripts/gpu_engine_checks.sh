@@ -3,7 +3,7 @@
 # Usage (device tool): bash scripts/gpu_engine_checks.sh [--checks-only | bench flags...]
 # Exits non-zero when any check fails (each check still runs, so one run shows every failure).
 set -euo pipefail
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fovea-out}
 mkdir -p "$OUT"
 LOG="$OUT/checks.log"
