@@ -86,13 +86,18 @@ def main() -> int:
     for name, value in rows:
         print(f"{name:<52} {value:8.2f} ms")
     for workers in (int(w) for w in args.workers.split(",")):
+        started = time.perf_counter()
         pre = Preprocessor(loaded, media, workers, contract.recipe_fingerprint)
+        ready = time.perf_counter() - started
         try:
-            asyncio.run(throughput(pre, texts[:16], jpegs[:16]))  # warm
+            started = time.perf_counter()
+            asyncio.run(throughput(pre, texts[:16], jpegs[:16]))  # the first requests of fresh workers
+            first = time.perf_counter() - started
             rate, lag = asyncio.run(throughput(pre, texts, jpegs))
         finally:
             pre.close()
-        print(f"{'workers=' + str(workers):<52} {rate:8.0f} requests/s, event loop held up to {lag:.1f} ms")
+        print(f"{'workers=' + str(workers):<52} {rate:8.0f} requests/s, event loop held up to {lag:.1f} ms; "
+              f"start {ready:.1f} s, first 16 requests {first:.2f} s", flush=True)
     return 0
 
 

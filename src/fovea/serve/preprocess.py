@@ -21,6 +21,7 @@ import io
 import logging
 import multiprocessing
 import pickle
+import time
 import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
@@ -41,6 +42,7 @@ log = logging.getLogger("fovea.serve")
 # Peak bytes per pixel of decoding a large image: a PNG decoded as RGBA (4), its RGB
 # conversion (3) and the transposed or composited copies beside them.
 DECODE_BYTES_PER_PIXEL = 10
+SLOW_S = 1.0  # a prompt that takes longer than this to prepare is logged
 
 
 class PreprocessingFailed(FoveaError):
@@ -166,6 +168,7 @@ class Preprocessor:
         self.fingerprint = recipe_fingerprint
         self.workers = workers
         self.pool: ProcessPoolExecutor | None = None
+        self.jobs = 0
         self._initargs = (pickle.dumps(loaded.processor), loaded.image_token, loaded.image_token_id,
                           str(loaded.dtype).removeprefix("torch."), media, self.reduce_to)
         if workers > 0:
@@ -194,6 +197,16 @@ class Preprocessor:
 
     async def _run(self, text: str, images: list[tuple[bytes, str]], template_rendered: bool,
                    blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+        started = time.perf_counter()
+        try:
+            return await self._build(text, images, template_rendered, blank_twin)
+        finally:
+            seconds = time.perf_counter() - started
+            if seconds > SLOW_S:
+                log.warning("preparing a request's prompt (%d image(s)) took %.2f s", len(images), seconds)
+
+    async def _build(self, text: str, images: list[tuple[bytes, str]], template_rendered: bool,
+                     blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None]:
         if self.pool is None:
             prompt, twin, recipe = await asyncio.to_thread(build_prompts, self.model, self.media, self.reduce_to,
                                                            text, images, template_rendered, blank_twin)
@@ -209,6 +222,7 @@ class Preprocessor:
                 await asyncio.to_thread(self._start_pool)
                 raise PreprocessingFailed("a preprocessing worker died while preparing this request's images; "
                                           "retry it") from None
+        self.jobs += 1
         if recipe != self.fingerprint:  # what crosses a boundary carries its contract
             raise PreprocessingFailed(f"the image was preprocessed with recipe {recipe}, not the model contract's "
                                       f"{self.fingerprint}; the request was not run")
