@@ -428,14 +428,18 @@ def main() -> int:
         write_model_dir(args.model_dir, args.arch, "cuda" if cuda else "cpu")
         log(f"wrote {args.arch} to {args.model_dir} in {time.perf_counter() - started:.1f} s")
     server = None
+    save = lambda: (args.out / "gpu_serve.json").write_text(json.dumps(results, indent=2, default=str))  # noqa: E731
     try:
         if "offline" in phases:
             offline(args.model_dir, args, results)
             release_gpu()
+            save()
         if "hog" in phases and cuda:
             hog(args.model_dir, args, results, args.out)
+            save()
         if "serve" in phases:
             server = serve(args.model_dir, args, results, args.out)
+            save()
             if "neighbour" in phases:
                 neighbour(args, results, args.out)
         if "pair" in phases:

@@ -35,8 +35,8 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _workers(text: str) -> int | None:
-    return None if text == "auto" else _non_negative_int(text)
+def _workers(text: str) -> int:
+    return 0 if text == "auto" else _non_negative_int(text)
 
 
 def _memory_args(parser: argparse.ArgumentParser) -> None:
@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "transformers' modules (auto: as --step-overlap)")
     _memory_args(serve)
     serve.add_argument("--preprocess-workers", type=_workers, default=None,
-                       help="processes that decode images and run the model's processor: auto (none on CPU, "
-                            "else about half the cores, at most 8) or a number (0: threads of the server)")
+                       help="processes that decode images and run the model's processor (default 0: the "
+                            "server's threads, measured faster on an H200 machine; docs/benchmarks.md)")
     serve.add_argument("--exact-image-resize", action="store_true",
                        help="give the processor every pixel of large images (default: images four times the "
                             "model's input are reduced to about twice it first, JPEGs while decoding)")

@@ -35,8 +35,8 @@ class ServerSettings:
     gpu_memory_utilization: float | None = None
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
-    # Processes that decode images and run the model's processor (None: none on CPU, else about
-    # half the cores, at most 8; 0: this process's threads). serve/preprocess.py says why.
+    # Processes that decode images and run the model's processor (None or 0: this process's
+    # threads, measured faster on the H200 machine; serve/preprocess.py, docs/benchmarks.md).
     preprocess_workers: int | None = None
     max_queue: int = 256
     limit_images_per_prompt: int = 4

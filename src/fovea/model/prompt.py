@@ -58,8 +58,8 @@ def encode_prompt(loaded: LoadedModel, text: str, images: list[Image.Image], *,
     processor = loaded.processor
     if images:
         encoded = processor(text=text, images=images, return_tensors="pt")
-        hashes = [pixel_hash(p) for p in encoded["pixel_values"]]
         pixel_values = encoded["pixel_values"].to(dtype=loaded.dtype)
+        hashes = [pixel_hash(p) for p in pixel_values]
     else:
         encoded = processor.tokenizer(text, return_tensors="pt")
         pixel_values = None

@@ -73,7 +73,10 @@ def encode_images(loaded: LoadedModel, pixel_values: torch.Tensor) -> torch.Tens
 
 
 def pixel_hash(pixels: torch.Tensor) -> str:
-    """Content hash of one preprocessed image (the encoder cache key)."""
-    data = pixels.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()
+    """Content hash of one preprocessed image as the model will see it (the encoder cache key):
+    its dtype, shape and bytes, hashed in place (a bfloat16 image is half the bytes of float32)."""
+    data = pixels.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+    digest.update(data.view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 

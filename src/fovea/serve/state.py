@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from fovea.config import ServerSettings
@@ -69,10 +68,7 @@ class ServerState:
 
 
 def preprocess_workers(settings: ServerSettings, loaded: LoadedModel) -> int:
-    """--preprocess-workers, or by default: none on a CPU device (the model uses every core but
-    one), else half the cores beyond two, at most 8."""
-    if settings.preprocess_workers is not None:
-        return settings.preprocess_workers
-    if loaded.device.type == "cpu":
-        return 0
-    return min(8, max(1, ((os.cpu_count() or 2) - 2) // 2))
+    """--preprocess-workers, by default 0: this process's threads. Measured on the H200 machine
+    (bench/preprocess_probe.py, LLaVA-1.5-7B's processor, docs/benchmarks.md): threads prepared
+    245 requests/s; 7 worker processes 6 requests/s, their first requests stalling 10-40 s."""
+    return settings.preprocess_workers or 0
