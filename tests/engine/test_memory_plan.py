@@ -16,6 +16,7 @@ from fovea.engine.paged.memory_plan import (
     kv_tensor_bytes,
     plan_kv,
     process_budget,
+    runtime_line,
 )
 
 H200 = 140 * GiB
@@ -106,3 +107,23 @@ def test_weights_that_cannot_fit_are_refused_before_loading():
     assert "Nothing was loaded" in message
     with pytest.raises(MemoryPlanError, match="raise --gpu-memory-utilization"):
         check_weights_fit(13 * GiB, "bfloat16", "cuda:0", H200, free=H200, utilization=0.05, kv_exact=None)
+
+
+def test_the_runtime_line_is_the_processs_own_where_nvml_says():
+    # This process: torch reserved 20 GiB of the 20.6 GiB NVML counts for it.
+    own = runtime_line((10 * GiB, 20 * GiB), (10 * GiB + 500 * MiB, 20 * GiB + 600 * MiB), (50 * GiB, 90 * GiB), 64 * MiB)
+    assert own.name == "CUDA context and runtime" and own.bytes == 600 * MiB + 64 * MiB and not own.torch
+    # Without NVML only the device-wide growth is left: a neighbour's 30 GiB KV cache lands here, and the line says so.
+    wide = runtime_line((10 * GiB, 20 * GiB), (None, None), (50 * GiB, 90 * GiB), 64 * MiB)
+    assert wide.bytes == 30 * GiB + 64 * MiB and "other processes" in wide.how
+
+
+def test_the_nvml_reading_of_a_machine_without_a_gpu_is_none():
+    import torch
+
+    from fovea.engine.paged.memory_profile import _nvml_handle
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+
+    assert _nvml_handle(torch.device("cuda", 0)) is None  # no driver library here: the device-wide fallback

@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 
+from fovea.serve import http_protocol
 from fovea.serve.http_protocol import DeadlineH11Protocol
 
 DEEP = "[" * 100_000 + "]" * 100_000
@@ -58,6 +59,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
 @pytest.fixture
 def quick_deadline(monkeypatch, make_server):
     monkeypatch.setattr(DeadlineH11Protocol, "head_timeout_s", 0.5)
+    monkeypatch.setattr(http_protocol, "KEEP_ALIVE_S", 1)
     live = make_server()
     host, port = live.base_url.removeprefix("http://").split(":")
     return host, int(port)
@@ -93,3 +95,16 @@ def test_a_kept_alive_connection_serves_then_closes_when_idle(quick_deadline):
             head = sock.recv(65536)
             assert head.startswith(b"HTTP/1.1 200")
         assert closed_within(sock, 10)
+
+
+def test_an_idle_pooled_connection_outlives_the_clients_pool_expiry(server):
+    """httpx's pool drops idle connections after 5 s; the server keeps them longer, so a request is
+    never sent on a connection the server is closing at that moment."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert not closed_within(sock, 6.0)  # still open after 6 s idle
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")

@@ -10,6 +10,8 @@ threshold. (The first token alone is not enough: a description that always start
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from fovea.engine.image_encoder import ImageEncoder, scatter_image_rows, token_embeddings
@@ -18,6 +20,7 @@ from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt
 
 SCORED_TOKENS = 8
+_ONE_AT_A_TIME = threading.Lock()
 
 
 @torch.inference_mode()
@@ -31,7 +34,7 @@ def answer_logprobs(loaded: LoadedModel, images: ImageEncoder, prompt: EncodedPr
     rows = images.rows_for([prompt])
     embeds = token_embeddings(loaded, ids)
     scatter_image_rows(embeds, ids, [rows[k] for k in prompt.image_hashes], loaded.image_token_id, "grounding")
-    out = loaded.model(inputs_embeds=embeds.unsqueeze(0), logits_to_keep=len(answer_ids) + 1)
+    out = loaded.model(inputs_embeds=embeds.unsqueeze(0), logits_to_keep=len(answer_ids) + 1, use_cache=False)
     return torch.log_softmax(out.logits[0, :-1].float(), dim=-1).cpu()
 
 
@@ -40,8 +43,10 @@ def answer_dependence(loaded: LoadedModel, images: ImageEncoder, prompt: Encoded
     ids = loaded.tokenizer(answer_text, add_special_tokens=False)["input_ids"][:scored_tokens]
     if not ids:
         ids = [next(iter(loaded.eos_token_ids))]  # an empty answer: score its end-of-sequence decision
-    real = answer_logprobs(loaded, images, prompt, ids)
-    blank = answer_logprobs(loaded, images, blank_twin, ids)
+    # One scoring at a time: the memory plan has one line for this forward ("grounding forward").
+    with _ONE_AT_A_TIME:
+        real = answer_logprobs(loaded, images, prompt, ids)
+        blank = answer_logprobs(loaded, images, blank_twin, ids)
     kls = [kl_divergence(real[i], blank[i]) for i in range(len(ids))]
     return {
         "scored_tokens": len(ids),

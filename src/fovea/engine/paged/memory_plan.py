@@ -131,6 +131,27 @@ def process_budget(total: int, free: int, held: int, utilization: float | None, 
     return Budget(wanted, flag)
 
 
+def runtime_line(reserved: tuple[int, int], own: tuple[int | None, int | None], used: tuple[int, int],
+                 allowance: int) -> PlanLine:
+    """The device memory outside torch's allocator, from (start, now) readings of torch's
+    reserved bytes, this process's own usage (NVML, None where unknown) and the device's used bytes.
+
+    With this process's own usage, the line is everything it holds beyond torch: the CUDA
+    context, library workspaces and kernel modules. Without it only the growth of the whole
+    device's usage is left, which counts what other processes allocated meanwhile too (two
+    servers starting together on one GPU): the line says so.
+    """
+    if own[1] is not None:
+        outside = max(0, own[1] - reserved[1])
+        return PlanLine("CUDA context and runtime", outside + allowance,
+                        f"measured: this process's device memory outside torch (NVML), +{allowance // MiB} MiB for "
+                        "kernels loaded later", torch=False)
+    grown = max(0, (used[1] - used[0]) - (reserved[1] - reserved[0]))
+    return PlanLine("CUDA runtime", grown + allowance,
+                    f"measured device-wide (no per-process reading): growth outside torch since start-up, which "
+                    f"also counts other processes' allocations meanwhile; +{allowance // MiB} MiB", torch=False)
+
+
 def kv_tensor_bytes(blocks: int, per_block: int, tensors: int) -> int:
     """Bytes the allocator reserves for ``tensors`` KV tensors holding ``blocks`` blocks (+1
     scratch block each), each rounded up as torch's caching allocator does."""

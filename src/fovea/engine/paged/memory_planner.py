@@ -12,7 +12,8 @@ On CUDA (``Planner.plan``), in order, each phase measured from a settled allocat
    max_num_batched_tokens tokens sampling max_num_seqs rows with log-probabilities;
 6. transformers' forward over max_model_len tokens, which per-request grounding scores run;
 7. the decode graphs, captured once against a one-block probe cache (held);
-8. what the CUDA runtime took outside torch meanwhile (workspaces, kernel modules);
+8. what the process holds outside torch: with NVML its own usage (CUDA context, workspaces,
+   kernel modules); without it, the device-wide growth since start-up (``runtime_line``);
 then the caches that fill while serving (encoder cache, prompt embeddings in flight) and a
 headroom line, and the KV cache gets the rest (``memory_plan.plan_kv``).
 
@@ -41,6 +42,7 @@ from fovea.engine.paged.memory_plan import (
     gib,
     plan_kv,
     process_budget,
+    runtime_line,
 )
 from fovea.engine.paged.memory_profile import CudaMeter, measure, tensor_bytes
 
@@ -129,8 +131,9 @@ class Planner:
         assert meter is not None
         meter.settle()
         free0, total = meter.free_total()
-        held0, used0 = meter.reserved(), total - free0
-        budget = process_budget(total, free0, held0, cfg.gpu_memory_utilization,
+        held0, used0, own0 = meter.reserved(), total - free0, meter.process_used()
+        # What the process holds already is its own: all of it where NVML says, else torch's part.
+        budget = process_budget(total, free0, own0 if own0 is not None else held0, cfg.gpu_memory_utilization,
                                 exact_kv=cfg.kv_cache_memory is not None)
         weights = self._weights()
         lines = [weights]
@@ -161,9 +164,8 @@ class Planner:
                                   f"steps (batch sizes up to {graphs.sizes[-1]}) and their inputs"))
             del graphs, probe
         meter.settle()
-        runtime = max(0, (meter.used() - used0) - (meter.reserved() - held0)) + RUNTIME_ALLOWANCE
-        lines.append(PlanLine("CUDA runtime", runtime, "measured: workspaces and kernel modules outside torch, "
-                              f"+{RUNTIME_ALLOWANCE // MiB} MiB for kernels loaded later", torch=False))
+        lines.append(runtime_line((held0, meter.reserved()), (own0, meter.process_used()), (used0, meter.used()),
+                                  RUNTIME_ALLOWANCE))
         lines += self._caches()
         lines.append(PlanLine("headroom", cfg.memory_headroom_bytes, "the caching allocator's fragmentation"))
         pending = sum(line.bytes for line in lines if line.name not in HELD and line.torch)

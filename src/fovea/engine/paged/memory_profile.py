@@ -7,6 +7,7 @@ allocated ones): fragmentation is part of what a step costs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -18,6 +19,21 @@ T = TypeVar("T")
 class CudaMeter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._nvml_handle = _nvml_handle(device)
+
+    def process_used(self) -> int | None:
+        """Device memory this process holds (NVML), context included; None where NVML cannot say
+        (no driver library, or another PID namespace: a container's PIDs are not the host's)."""
+        if self._nvml_handle is None:
+            return None
+        import pynvml
+
+        try:
+            processes = pynvml.nvmlDeviceGetComputeRunningProcesses(self._nvml_handle)
+        except pynvml.NVMLError:
+            return None
+        own = [p.usedGpuMemory for p in processes if p.pid == os.getpid() and p.usedGpuMemory is not None]
+        return int(own[0]) if own else None
 
     def sync(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -65,3 +81,22 @@ def tensor_bytes(module: torch.nn.Module) -> int:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+def _nvml_handle(device: torch.device):
+    """NVML's handle of the GPU behind ``device`` (found by UUID: CUDA_VISIBLE_DEVICES renumbers),
+    or None where NVML is not there."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            found = pynvml.nvmlDeviceGetUUID(handle)
+            found = found.decode() if isinstance(found, bytes) else found
+            if found.removeprefix("GPU-") == uuid.removeprefix("GPU-"):
+                return handle
+    except Exception:  # noqa: BLE001 - no NVML: the planner measures device-wide instead
+        return None
+    return None
