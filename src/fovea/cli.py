@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--preprocess-workers", type=_workers, default=None,
                        help="processes that decode images and run the model's processor (default 0: the "
                             "server's threads, measured faster on an H200 machine; docs/benchmarks.md)")
+    serve.add_argument("--decode-memory", type=byte_size, default=None,
+                       help="memory that decodes of images over 4 megapixels may take together (default 512MiB); "
+                            "larger ones wait, small images never do")
     serve.add_argument("--exact-image-resize", action="store_true",
                        help="give the processor every pixel of large images (default: images four times the "
                             "model's input are reduced to about twice it first, JPEGs while decoding)")
@@ -166,6 +169,8 @@ def serve(args: argparse.Namespace) -> int:
         media_kwargs["max_image_bytes"] = args.max_image_bytes
     if args.max_image_pixels is not None:
         media_kwargs["max_image_pixels"] = args.max_image_pixels
+    if args.decode_memory is not None:
+        media_kwargs["large_decode_budget_bytes"] = args.decode_memory
     try:
         settings = ServerSettings(
             model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
