@@ -54,7 +54,8 @@ log = logging.getLogger("fovea.engine.paged")
 CPU_KV_BYTES = 256 * MiB  # the CPU KV cache unless --kv-cache-memory says otherwise
 RUNTIME_ALLOWANCE = 64 * MiB  # kernel modules the CUDA runtime may still load after start-up
 SAMPLED_ROWS = 8  # rows the profile samples with temperature and top-p (the rest greedy)
-HELD = ("weights", "engine tensors", "vision graphs", "decode graphs", "kv_cache")  # allocated at start-up
+HELD_WHILE_SIZING = ("weights", "engine tensors", "vision graphs")  # allocated when the KV cache is sized
+HELD = (*HELD_WHILE_SIZING, "decode graphs", "kv_cache")  # allocated once start-up is done
 
 
 class Planner:
@@ -168,7 +169,9 @@ class Planner:
                                   RUNTIME_ALLOWANCE))
         lines += self._caches()
         lines.append(PlanLine("headroom", cfg.memory_headroom_bytes, "the caching allocator's fragmentation"))
-        pending = sum(line.bytes for line in lines if line.name not in HELD and line.torch)
+        # Not allocated while the KV cache is sized: the decode graphs (captured after it) and
+        # everything that fills while serving.
+        pending = sum(line.bytes for line in lines if line.name not in HELD_WHILE_SIZING and line.torch)
         free_now, _ = meter.free_total()
         plan = plan_kv(budget, lines, self._request(cfg.kv_cache_memory), str(device), total,
                        free_now=free_now, pending=pending)
