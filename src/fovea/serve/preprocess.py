@@ -1,11 +1,12 @@
-"""Image bytes and prompt text in, an ``EncodedPrompt`` out, off the event loop and off the engine's GIL.
+"""Image bytes and prompt text in, an ``EncodedPrompt`` out, off the event loop.
 
 Decoding an image and running the model's processor on it cost milliseconds of CPU per
-request, much of it holding the GIL: in the server's process that time is taken from the
-event loop and from the engine's worker thread, whose steps must be launched on time. With
-``workers`` > 0 it runs in that many worker processes instead (each holds a copy of the
-model's processor, overrides included, and proves it with the recipe fingerprint of every
-answer); with 0 it runs in this process's threads.
+request. By default (``workers`` = 0) that runs in this process's threads, where part of it
+holds the GIL that the event loop and the engine's worker thread need too. With ``workers`` >
+0 it runs in that many worker processes instead. Each holds a copy of the model's processor,
+overrides included, and proves it with the recipe fingerprint of every answer. On the H200
+machine the threads were much faster (245 requests/s against 6 for seven workers,
+docs/benchmarks.md), so they are the default.
 
 Large images take a lane of their own: an image over ``large_image_pixels`` waits for a share
 of ``large_decode_budget_bytes`` (its pixels x ``DECODE_BYTES_PER_PIXEL``) and for one of the
@@ -168,7 +169,6 @@ class Preprocessor:
         self.fingerprint = recipe_fingerprint
         self.workers = workers
         self.pool: ProcessPoolExecutor | None = None
-        self.jobs = 0
         self._initargs = (pickle.dumps(loaded.processor), loaded.image_token, loaded.image_token_id,
                           str(loaded.dtype).removeprefix("torch."), media, self.reduce_to)
         if workers > 0:
@@ -222,7 +222,6 @@ class Preprocessor:
                 await asyncio.to_thread(self._start_pool)
                 raise PreprocessingFailed("a preprocessing worker died while preparing this request's images; "
                                           "retry it") from None
-        self.jobs += 1
         if recipe != self.fingerprint:  # what crosses a boundary carries its contract
             raise PreprocessingFailed(f"the image was preprocessed with recipe {recipe}, not the model contract's "
                                       f"{self.fingerprint}; the request was not run")
