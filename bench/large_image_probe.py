@@ -19,7 +19,6 @@ import io
 import os
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time

@@ -73,9 +73,9 @@ def target_short_side(image_processor: Any) -> int | None:
 
 def build_prompts(model: PromptModel, media: MediaConfig, reduce_to: int | None, text: str,
                   images: list[tuple[bytes, str]], template_rendered: bool,
-                  blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None, str]:
+                  blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None]:
     """Decode each image (its refusal names ``where``, its request path) and encode the prompt,
-    and with ``blank_twin`` the same prompt with blank images; plus the recipe's fingerprint."""
+    and with ``blank_twin`` the same prompt with blank images."""
     decoded = []
     for data, where in images:
         try:
@@ -88,11 +88,13 @@ def build_prompts(model: PromptModel, media: MediaConfig, reduce_to: int | None,
     if blank_twin and decoded:
         blanks = [Image.new("RGB", im.size, (255, 255, 255)) for im in decoded]
         twin = encode_prompt(model, text, blanks, template_rendered=template_rendered)
-    return prompt, twin, fingerprint(recipe_of(model.processor.image_processor))
+    return prompt, twin
 
 
 # ---- worker processes -----------------------------------------------------------------
-_WORKER: tuple[PromptModel, MediaConfig, int | None] | None = None
+# The worker's processor, media limits, target size and its recipe's fingerprint (read once:
+# the processor does not change after start-up, and every answer carries it).
+_WORKER: tuple[PromptModel, MediaConfig, int | None, str] | None = None
 
 
 def _init_worker(processor: bytes, image_token: str, image_token_id: int, dtype: str, media: MediaConfig,
@@ -100,18 +102,18 @@ def _init_worker(processor: bytes, image_token: str, image_token_id: int, dtype:
     global _WORKER
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
     model = PromptModel(pickle.loads(processor), image_token, image_token_id, getattr(torch, dtype))
-    _WORKER = (model, media, reduce_to)
+    _WORKER = (model, media, reduce_to, fingerprint(recipe_of(model.processor.image_processor)))
 
 
 def _work(text: str, images: list[tuple[bytes, str]], template_rendered: bool, blank_twin: bool):
     assert _WORKER is not None, "worker not initialised"
-    model, media, reduce_to = _WORKER
-    return build_prompts(model, media, reduce_to, text, images, template_rendered, blank_twin)
+    model, media, reduce_to, recipe = _WORKER
+    return (*build_prompts(model, media, reduce_to, text, images, template_rendered, blank_twin), recipe)
 
 
 def _ping() -> str:
     assert _WORKER is not None
-    return fingerprint(recipe_of(_WORKER[0].processor.image_processor))
+    return _WORKER[3]
 
 
 # ---- the large-image lane ----------------------------------------------------------------
@@ -207,21 +209,20 @@ class Preprocessor:
 
     async def _build(self, text: str, images: list[tuple[bytes, str]], template_rendered: bool,
                      blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None]:
-        if self.pool is None:
-            prompt, twin, recipe = await asyncio.to_thread(build_prompts, self.model, self.media, self.reduce_to,
-                                                           text, images, template_rendered, blank_twin)
-        else:
-            loop = asyncio.get_running_loop()
-            try:
-                prompt, twin, recipe = await loop.run_in_executor(self.pool, _work, text, images, template_rendered,
-                                                                  blank_twin)
-            except BrokenProcessPool:
-                # A worker died (killed for memory, say): this request fails loudly, the next gets new workers.
-                log.exception("a preprocessing worker died; starting new ones")
-                self.close()
-                await asyncio.to_thread(self._start_pool)
-                raise PreprocessingFailed("a preprocessing worker died while preparing this request's images; "
-                                          "retry it") from None
+        if self.pool is None:  # this process's own processor: the contract checked it at start-up
+            return await asyncio.to_thread(build_prompts, self.model, self.media, self.reduce_to, text, images,
+                                           template_rendered, blank_twin)
+        loop = asyncio.get_running_loop()
+        try:
+            prompt, twin, recipe = await loop.run_in_executor(self.pool, _work, text, images, template_rendered,
+                                                              blank_twin)
+        except BrokenProcessPool:
+            # A worker died (killed for memory, say): this request fails loudly, the next gets new workers.
+            log.exception("a preprocessing worker died; starting new ones")
+            self.close()
+            await asyncio.to_thread(self._start_pool)
+            raise PreprocessingFailed("a preprocessing worker died while preparing this request's images; "
+                                      "retry it") from None
         if recipe != self.fingerprint:  # what crosses a boundary carries its contract
             raise PreprocessingFailed(f"the image was preprocessed with recipe {recipe}, not the model contract's "
                                       f"{self.fingerprint}; the request was not run")

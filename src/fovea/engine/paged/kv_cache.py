@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger("fovea.engine.paged")
-
 
 @dataclass(frozen=True, slots=True)
 class KVShape:

@@ -141,16 +141,10 @@ class Planner:
         tables = meter.allocated() - weights.bytes
         if tables > MiB:
             lines.append(PlanLine("engine tensors", tables, "rotary tables and other tensors held before the profile"))
-        scratch = KVCache(self.shape, r.scratch_blocks(), device)  # outside every measurement below
-        try:
-            measure(meter, lambda: self._choose_kernels(scratch))
-            _, vision, _ = measure(meter, r.capture_vision_graphs)
-            if vision:
-                lines.append(PlanLine("vision graphs", vision, "measured: CUDA graphs of the vision stage for "
-                                      f"batches up to {cfg.vision_batch_size}"))
-            _, _, step = measure(meter, lambda: self._worst_steps(scratch))
-        finally:
-            del scratch
+        vision, step = self._profile_steps()
+        if vision:
+            lines.append(PlanLine("vision graphs", vision, "measured: CUDA graphs of the vision stage for "
+                                  f"batches up to {cfg.vision_batch_size}"))
         rows = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         lines.append(PlanLine("step peak", step, f"measured: a vision batch of {cfg.vision_batch_size}, then two "
                               f"overlapped steps of {cfg.max_num_batched_tokens} tokens sampling {rows} rows "
@@ -178,6 +172,17 @@ class Planner:
         return plan
 
     # ---- the profile's phases -----------------------------------------------------------
+    def _profile_steps(self) -> tuple[int, int]:
+        """Kernel choices, then (bytes the vision graphs hold, the worst step's peak), all run
+        against a scratch KV cache allocated outside every measurement (and freed on return)."""
+        meter = self.meter
+        assert meter is not None
+        scratch = KVCache(self.shape, self.runner.scratch_blocks(), self.device)
+        measure(meter, lambda: self._choose_kernels(scratch))
+        _, vision, _ = measure(meter, self.runner.capture_vision_graphs)
+        _, _, step = measure(meter, lambda: self._worst_steps(scratch))
+        return vision, step
+
     @torch.inference_mode()
     def _choose_kernels(self, scratch: KVCache) -> None:
         """Every choice made on first use, made now: for each row count the matrix-vector kernel
