@@ -19,7 +19,9 @@ CLIP processor, a 32,064-token tokenizer, safetensors shards) and, in one run:
 - pair: two `fovea serve` on the 7B directory at --gpu-memory-utilization 0.45 each, both
   answering a burst at the same time.
 Every request is checked (finish_reason "length", 128 tokens, [DONE]); failures are counted
-beside every figure. Ceilings (copy bandwidth, bf16 matrix rate) are measured at the start
+beside every figure, and the exit status is 1 when a request failed, torch's peak passed the
+plan, a refusal was not clean or the neighbour answered wrong (goals missed are figures, not
+failures). Ceilings (copy bandwidth, bf16 matrix rate) are measured at the start
 and the burst is read against the roofline of its FLOPs and bytes. The last lines are a table;
 everything is also in $OUT/gpu_serve.json.
 """
@@ -393,6 +395,28 @@ def table(results: dict) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
+def problems(results: dict) -> list[str]:
+    """What this run shows to be broken (not goals missed): failed requests, a peak past the plan,
+    a refusal that did not happen cleanly, a wrong answer. Any of them makes the exit status 1."""
+    found = []
+    off, srv = results.get("offline"), results.get("serve")
+    if off and off.get("failed"):
+        found.append(f"offline: {off['failed']} failed request(s)")
+    if srv:
+        failed = srv["single"]["failed"] + sum(b["failed"] for b in srv["burst"])
+        failed += sum(s["failed"] for s in srv["sustained"].values())
+        if failed:
+            found.append(f"serve: {failed} failed request(s)")
+        if srv["memory"]["peak_within_plan"] is False:
+            found.append("serve: torch's peak reserved memory passed the plan's cap")
+    for key, ok in (("neighbour", "answer_ok"), ("hog", "refused_cleanly")):
+        if key in results and not results[key].get(ok):
+            found.append(f"{key}: {results[key]}")
+    if "pair" in results and ("error" in results["pair"] or any(b["failed"] for b in results["pair"]["bursts"])):
+        found.append(f"pair: {results['pair'].get('error') or 'failed requests'}")
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/fovea-serve-bench")))
@@ -452,7 +476,10 @@ def main() -> int:
             server.stop()
         (args.out / "gpu_serve.json").write_text(json.dumps(results, indent=2, default=str))
     print(table(results))
-    return 0
+    found = problems(results)
+    for problem in found:
+        print(f"PROBLEM: {problem}")
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def main() -> int:
     for r in rows:
         print(f"{r['name']:<10} RSS rise {r['rss_rise_gib']:.2f} GiB, small requests p50 {r['small_p50_s']:.2f} s, "
               f"max {r['small_max_s']:.2f} s, large answered {r['large_statuses']}")
-    return 0
+    return 0 if all(r["large_statuses"] == [200] for r in rows) else 1  # a refused large image is a failure
 
 
 if __name__ == "__main__":

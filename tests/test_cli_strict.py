@@ -76,3 +76,13 @@ def test_the_server_settings_reach_the_paged_engine(demo_model):
     assert engine.config.max_model_len == 256 and engine.config.max_num_seqs == 3
     assert engine.runner.memory_plan.line("kv_cache").how.startswith(f"{8 * 2**20 // engine.runner.kv_plan.bytes_per_block} blocks")
     assert "--kv-cache-memory" in engine.runner.memory_plan.line("kv_cache").how
+
+
+def test_a_gpu_share_on_a_cpu_device_is_refused_not_ignored(demo_model):
+    from fovea.config import ServerSettings
+    from fovea.engine.paged.memory_plan import MemoryPlanError
+    from fovea.serve.app import create_app
+
+    with pytest.raises(MemoryPlanError, match="--gpu-memory-utilization applies to a GPU") as err:
+        create_app(ServerSettings(device="cpu", canary=False, gpu_memory_utilization=0.5), loaded=demo_model)
+    assert "--kv-cache-memory" in err.value.message

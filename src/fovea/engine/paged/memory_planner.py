@@ -105,6 +105,9 @@ class Planner:
 
     def _plan_host(self) -> MemoryPlan:
         cfg = self.config
+        if cfg.gpu_memory_utilization is not None:  # refused, not ignored: host memory is not shared out
+            raise MemoryPlanError(f"--gpu-memory-utilization applies to a GPU, and this engine runs on "
+                                  f"{self.device}; size the KV cache with --kv-cache-memory instead.")
         per_block = self.shape.bytes_per_block
         if cfg.num_blocks is not None:
             blocks, how = cfg.num_blocks, "fixed block count"
