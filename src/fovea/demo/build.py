@@ -23,15 +23,23 @@ from transformers import (
 )
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
+from fovea.demo.checkpoint_layout import save_llava_hf_weights
 from fovea.demo.scenes import vocabulary_words
 from fovea.model.clip_processor import make_clip_image_processor
 
 PAD, BOS, EOS, UNK, IMAGE = "<pad>", "<s>", "</s>", "<unk>", "<image>"
 SPECIALS = (PAD, BOS, EOS, UNK, IMAGE)
 
-# One user turn: its images first (one placeholder each), then its text. The assistant's
-# turn ends with </s>. Rendered text is lower-cased by the tokenizer's normaliser.
+# The prompt starts with the BOS token, written by the template itself. One user turn: its
+# images first (one placeholder each), then its text. The assistant's turn ends with </s>.
+# Rendered text is lower-cased by the tokenizer's normaliser.
+#
+# The tokenizer's post-processor also prepends BOS (for raw prompts), so text rendered by this
+# template must be tokenized with add_special_tokens=False: one BOS, the one the model was
+# trained with. transformers' processor.apply_chat_template(..., tokenize=True) and vLLM's chat
+# path already do that; see ``encode_rendered`` in dataset.py.
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{%- for message in messages -%}"
     "{%- if message['content'] is string -%}{%- set text = message['content'] -%}"
     "{%- else -%}{%- set text = message['content'] | selectattr('type', 'equalto', 'text')"
@@ -165,6 +173,9 @@ def save_model_dir(model: LlavaForConditionalGeneration, processor: LlavaProcess
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    # The weights under llava-hf names (vision_tower.vision_model.*, language_model.model.*, ...),
+    # which both transformers and vLLM load; save_pretrained's own names vLLM refuses.
+    save_llava_hf_weights(model, out)
     processor.save_pretrained(out)
     # Recent transformers nest the image recipe in processor_config.json; the classic
     # preprocessor_config.json is what most tools (and older transformers) read.

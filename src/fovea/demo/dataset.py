@@ -35,7 +35,7 @@ class Pool:
     jpeg: torch.Tensor  # [N] bool
     square: torch.Tensor  # [N] bool
 
-    def to(self, device: torch.device | str) -> "Pool":
+    def to(self, device: torch.device | str) -> Pool:
         return Pool(*(t.to(device) for t in (self.images, self.tokens, self.prompt_len,
                                               self.total_len, self.task, self.jpeg, self.square)))
 
@@ -49,6 +49,25 @@ def resize_like_processor(image: Image.Image, size: int) -> np.ndarray:
     return np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1).copy()
 
 
+def encode_rendered(processor: LlavaProcessor, text: str, images: list[Image.Image]) -> list[int]:
+    """Token ids of a prompt rendered by the chat template, with exactly one BOS, at the start.
+
+    A template that writes the BOS itself (the demo's does) is tokenized with
+    add_special_tokens=False, or the tokenizer's post-processor would add a second one; a
+    template without it gets the post-processor's. This is the rule transformers'
+    ``processor.apply_chat_template(..., tokenize=True)`` follows.
+    """
+    bos = processor.tokenizer.bos_token
+    encoded = processor(text=text, images=images or None, add_special_tokens=not text.startswith(bos),
+                        return_tensors="np")
+    ids = encoded["input_ids"][0].tolist()
+    bos_id = processor.tokenizer.bos_token_id
+    if ids[:1] != [bos_id] or ids.count(bos_id) != 1:
+        raise ValueError(f"the prompt {text[:60]!r}... tokenizes to {ids.count(bos_id)} BOS token(s), "
+                         "not exactly one at the start")
+    return ids
+
+
 def prompt_table(processor: LlavaProcessor) -> dict[str, list[int]]:
     """Token ids of every training question, rendered through the chat template."""
     table: dict[str, list[int]] = {}
@@ -56,8 +75,7 @@ def prompt_table(processor: LlavaProcessor) -> dict[str, list[int]]:
     for question in scenes.all_question_texts():
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
         text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        encoded = processor(text=text, images=blank, return_tensors="np")
-        table[question] = encoded["input_ids"][0].tolist()
+        table[question] = encode_rendered(processor, text, [blank])
     return table
 
 

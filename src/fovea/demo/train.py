@@ -177,7 +177,7 @@ def train(cfg: TrainConfig) -> dict:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             try:
                 loss = forward(**batch).loss
-            except Exception as exc:  # noqa: BLE001 - a compiler failure must not cost the run
+            except Exception as exc:  # a compiler failure must not cost the run
                 if forward is model:
                     raise
                 log(f"torch.compile failed ({type(exc).__name__}: {exc}); training eagerly")
