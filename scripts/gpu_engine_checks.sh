@@ -23,9 +23,10 @@ check() {  # check NAME COMMAND...: run it, log it, remember a failure
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
-check "triton decode kernel vs torch reference" python3 -m fovea.engine.paged.triton_decode --check
-check "triton prefill kernel vs torch reference" python3 -m fovea.engine.paged.triton_prefill --check
-check "fused norm / rotary / activation / matrix-vector kernels vs torch" python3 -m fovea.engine.paged.triton_ops --check
+check "triton decode kernel vs torch reference" python3 bench/kernels_check.py --kernel decode --check
+check "triton prefill kernel vs torch reference" python3 bench/kernels_check.py --kernel prefill --check
+check "fused norm / rotary / activation / matrix-vector kernels vs torch" python3 bench/kernels_check.py --kernel ops --check
+check "fused vision stage kernels and stage vs transformers' modules" python3 bench/kernels_check.py --kernel vision --check
 check "end-to-end self-check vs transformers generate (demo model, fp32)" \
   python3 -m fovea.engine.paged.selfcheck --device cuda
 check "same, prefill chunks of 24 tokens" python3 -m fovea.engine.paged.selfcheck --device cuda --chunk 24

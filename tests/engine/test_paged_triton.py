@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fovea.engine.paged.attention import paged_decode_torch
+from fovea.testing.kernel_cases import poison_past_context, random_decode_case
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
@@ -25,7 +26,7 @@ def test_triton_paged_decode_matches_torch(case):
     batch, heads, kv_heads, dim, block_size, ctx = case
     dtypes = [torch.float32] + ([torch.bfloat16, torch.float16] if device.type == "cuda" else [])
     for dtype in dtypes:
-        q, kc, vc, bt, cl = triton_decode.random_case(batch, heads, kv_heads, dim, block_size, ctx, dtype, device)
+        q, kc, vc, bt, cl = random_decode_case(batch, heads, kv_heads, dim, block_size, ctx, dtype, device)
         got = triton_decode.paged_decode(q, kc, vc, bt, cl, dim ** -0.5).float()
         ref = paged_decode_torch(q.float(), kc.float(), vc.float(), bt, cl, dim ** -0.5)
         tol = 2e-4 if dtype == torch.float32 else 2e-2
@@ -34,9 +35,7 @@ def test_triton_paged_decode_matches_torch(case):
 
 def test_paged_decode_torch_equals_plain_attention():
     """The reference itself, against attention over the unpaged K/V."""
-    from fovea.engine.paged.triton_decode import random_case
-
-    q, kc, vc, bt, cl = random_case(3, 8, 2, 32, 4, 21, torch.float32, torch.device("cpu"))
+    q, kc, vc, bt, cl = random_decode_case(3, 8, 2, 32, 4, 21, torch.float32, torch.device("cpu"))
     out = paged_decode_torch(q, kc, vc, bt, cl, 0.2)
     for b in range(3):
         n = int(cl[b])
@@ -77,9 +76,9 @@ def test_triton_paged_decode_wide_table(case):
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch, heads, kv_heads, dim, block_size, ctx, width, part = case
-    q, kc, vc, bt, cl = triton_decode.random_case(batch, heads, kv_heads, dim, block_size, ctx,
-                                                  torch.float32, device, seed=1, width=width)
-    kc, vc, bt, ref_bt = triton_decode._poison_past_context(kc, vc, bt, cl)
+    q, kc, vc, bt, cl = random_decode_case(batch, heads, kv_heads, dim, block_size, ctx,
+                                           torch.float32, device, seed=1, width=width)
+    kc, vc, bt, ref_bt = poison_past_context(kc, vc, bt, cl)
     got = triton_decode.paged_decode(q, kc, vc, bt, cl, dim ** -0.5, part)
     ref = paged_decode_torch(q, kc, vc, ref_bt, cl, dim ** -0.5)
     assert torch.isfinite(got).all()

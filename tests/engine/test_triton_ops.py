@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fovea.testing.kernel_cases import rms_norm_reference, rope_reference
+
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
     or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -24,20 +26,20 @@ def rand(*shape, seed=0, scale=1.0):
 @needs_triton
 @pytest.mark.parametrize("rows,cols", [(1, 64), (3, 1000)])
 def test_add_rms_norm_adds_in_place_and_normalises_the_sum(rows, cols):
-    from fovea.engine.paged.triton_ops import _reference_rms, add_rms_norm
+    from fovea.engine.paged.triton_ops import add_rms_norm
 
     x, residual, weight = rand(rows, cols, seed=1), rand(rows, cols, seed=2), 1 + rand(cols, seed=3, scale=0.1)
     expected_sum = residual + x
     normed = add_rms_norm(x, weight, 1e-5, residual=residual)
     assert torch.allclose(residual, expected_sum)  # the residual stream now holds the sum
-    assert torch.allclose(normed, _reference_rms(expected_sum, weight, 1e-5), atol=1e-5)
-    assert torch.allclose(add_rms_norm(x, weight, 1e-6), _reference_rms(x, weight, 1e-6), atol=1e-5)
+    assert torch.allclose(normed, rms_norm_reference(expected_sum, weight, 1e-5), atol=1e-5)
+    assert torch.allclose(add_rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), atol=1e-5)
 
 
 @needs_triton
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
 def test_rope_write_kv_rotates_q_and_k_and_fills_the_cache_slots(heads, kv_heads):
-    from fovea.engine.paged.triton_ops import _reference_rope, rope_write_kv
+    from fovea.engine.paged.triton_ops import rope_write_kv
 
     tokens, dim, block_size = 5, 32, 4
     qkv = rand(tokens, (heads + 2 * kv_heads) * dim, seed=4)
@@ -52,9 +54,9 @@ def test_rope_write_kv_rotates_q_and_k_and_fills_the_cache_slots(heads, kv_heads
     rope_write_kv(qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads, dim)
     q, k, v = original.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
     c, s = cos[positions][:, None], sin[positions][:, None]
-    assert torch.allclose(qkv[:, :heads * dim].view(tokens, heads, dim), _reference_rope(q.view(tokens, heads, dim), c, s),
+    assert torch.allclose(qkv[:, :heads * dim].view(tokens, heads, dim), rope_reference(q.view(tokens, heads, dim), c, s),
                           atol=1e-5)
-    k_ref = _reference_rope(k.view(tokens, kv_heads, dim), c, s)
+    k_ref = rope_reference(k.view(tokens, kv_heads, dim), c, s)
     assert torch.allclose(k_cache.view(-1, kv_heads, dim)[slots], k_ref, atol=1e-5)
     assert torch.equal(v_cache.view(-1, kv_heads, dim)[slots], v.view(tokens, kv_heads, dim))
     untouched = torch.ones(k_cache.shape[0] * block_size, dtype=torch.bool)
@@ -78,7 +80,7 @@ def test_silu_mul_and_gemv_match_torch():
 def test_the_startup_check_passes_and_names_a_broken_kernel(monkeypatch):
     """An engine runs this before trusting the kernels; a wrong kernel sends it to the torch path."""
     from fovea.engine.paged import triton_ops
-    from fovea.engine.paged.model_runner import triton_self_check
+    from fovea.engine.paged.kernel_selfcheck import triton_self_check
 
     assert triton_self_check(DEVICE, torch.float32) is None
     monkeypatch.setattr(triton_ops, "silu_mul", lambda gate_up: torch.zeros_like(gate_up[:, : gate_up.shape[1] // 2]))

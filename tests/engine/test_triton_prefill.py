@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fovea.engine.paged import triton_prefill as tp
+from fovea.testing.kernel_cases import prefill_torch_reference, random_prefill_case
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
@@ -26,11 +27,12 @@ def _dtypes(extra_on_cpu=()):
 
 
 def _compare(spans, heads, kv_heads, dim, block_size, dtype, config=None, seed=0):
-    q, kc, vc, cu, qs, bt, max_len = tp.random_case(spans, heads, kv_heads, dim, block_size, dtype, DEVICE, seed)
+    q, kc, vc, cu, qs, bt, max_len = random_prefill_case(spans, heads, kv_heads, dim, block_size, dtype,
+                                                         DEVICE, seed)
     scale = dim ** -0.5
     got = tp.paged_prefill(q, kc, vc, cu, qs, bt, scale, max_len, config=config)
     assert got.dtype == dtype and got.shape == q.shape
-    ref = tp.prefill_torch_reference(q.float(), kc.float(), vc.float(), cu, qs, bt, scale, max_len)
+    ref = prefill_torch_reference(q.float(), kc.float(), vc.float(), cu, qs, bt, scale, max_len)
     tol = 2e-4 if dtype == torch.float32 else 2e-2
     err = (got.float() - ref).abs().max().item()
     assert err < tol, (dtype, err)  # NaN (a read of a poisoned slot past the causal bound) fails too
@@ -70,14 +72,14 @@ def test_paged_prefill_padded_head_dim():
 def test_paged_prefill_strided_q_and_out():
     """q as a view of a fused qkv buffer (row stride > H*D) written into a given ``out``."""
     heads, kv_heads, dim, bs = 4, 2, 64, 16
-    q, kc, vc, cu, qs, bt, max_len = tp.random_case([(0, 9), (20, 12)], heads, kv_heads, dim, bs,
-                                                    torch.float32, DEVICE, seed=3)
+    q, kc, vc, cu, qs, bt, max_len = random_prefill_case([(0, 9), (20, 12)], heads, kv_heads, dim, bs,
+                                                         torch.float32, DEVICE, seed=3)
     qkv = torch.zeros(q.shape[0], heads + 2 * kv_heads, dim, device=DEVICE)
     qkv[:, :heads] = q
     out = torch.full((q.shape[0], heads, dim), float("nan"), device=DEVICE)
     got = tp.paged_prefill(qkv[:, :heads], kc, vc, cu, qs, bt, 0.1, max_len, out)
     assert got is out
-    ref = tp.prefill_torch_reference(q, kc, vc, cu, qs, bt, 0.1, max_len)
+    ref = prefill_torch_reference(q, kc, vc, cu, qs, bt, 0.1, max_len)
     assert (out - ref).abs().max().item() < 2e-4
 
 
@@ -107,7 +109,7 @@ def test_prefill_reference_equals_naive_attention():
     q = torch.randn(sum(n for _, n in spans), heads, dim, generator=gen)
     cu = torch.tensor([0] + torch.tensor([n for _, n in spans]).cumsum(0).tolist(), dtype=torch.int32)
     starts = torch.tensor([s for s, _ in spans], dtype=torch.int32)
-    out = tp.prefill_torch_reference(q, k_cache, v_cache, cu, starts, tables, scale, 7)
+    out = prefill_torch_reference(q, k_cache, v_cache, cu, starts, tables, scale, 7)
 
     group = heads // kv_heads
     for i, (start, n) in enumerate(spans):
@@ -118,4 +120,4 @@ def test_prefill_reference_equals_naive_attention():
                 w = torch.softmax(k[:pos + 1, h // group] @ q[row, h] * scale, dim=0)
                 assert torch.allclose(out[row, h], w @ v[:pos + 1, h // group], atol=1e-5)
     with pytest.raises(ValueError):  # a chunk longer than max_q_len
-        tp.prefill_torch_reference(q, k_cache, v_cache, cu, starts, tables, scale, 6)
+        prefill_torch_reference(q, k_cache, v_cache, cu, starts, tables, scale, 6)

@@ -23,14 +23,13 @@ from fovea.engine.vision_fused import (
     add_layer_norm,
     choose_vision_encoder,
     layer_norm,
-    random_llava,
     relative_error,
     sample_pixels,
     startup_problem,
     supports,
-    tiny_vision,
 )
 from fovea.model.vision import encode_images
+from fovea.testing.kernel_cases import random_llava, tiny_vision
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None

@@ -20,17 +20,15 @@ the two paths differ only by summation order in the products. ``startup_problem`
 them on the loaded model before the engine trusts this path; ``choose_vision_encoder`` picks
 one. triton is imported lazily. Check against torch and time on a GPU:
 
-    python -m fovea.engine.vision_fused --check [--bench]
+    python3 bench/kernels_check.py --kernel vision --check [--bench]
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +36,7 @@ from torch import nn
 
 from fovea.engine.paged import triton_util
 from fovea.engine.paged.llama import fuse_rows
-from fovea.engine.paged.triton_util import check_dtypes, kernel_main, next_pow2, time_cuda
+from fovea.engine.paged.triton_util import next_pow2
 from fovea.model.loader import LoadedModel
 from fovea.model.vision import encode_images, select_features, vision_modules
 
@@ -51,9 +49,6 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # round alike, but products summed in another order shift a half-precision result by an ulp
 # here and there, and that compounds over 20-odd layers.
 MODEL_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 1e-2}
-# One kernel against the torch op (--check): the same roundings, so only an ulp here and there;
-# bfloat16 gets more because triton's CPU interpreter truncates float32 -> bfloat16.
-KERNEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @functools.cache
@@ -389,164 +384,3 @@ def choose_vision_encoder(loaded: LoadedModel, enabled: bool = True
         return eager, f"transformers' modules ({problem})"
     log.info("vision stage: fused kernels (checked against transformers' modules)")
     return fused, "fused (Triton kernels)"
-
-
-# ---- models for --check and --bench -------------------------------------------------------------
-
-def random_llava(vision: dict, text_hidden: int, device: torch.device | str, dtype: torch.dtype,
-                 feature_layer: int | list[int] = -2, strategy: str = "default", seed: int = 0,
-                 weight_std: float | None = None) -> LoadedModel:
-    """A random-weight LLaVA with the CLIP tower ``vision`` (CLIPVisionConfig arguments) and a
-    one-layer language model of width ``text_hidden``. Matrices are N(0, weight_std) (default
-    1/sqrt(fan_in), so activations stay O(1) and every nonlinearity matters), norm scales
-    1 +- 0.1, biases N(0, 0.1)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    text = LlamaConfig(vocab_size=64, hidden_size=text_hidden, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=max(1, text_hidden // 128), max_position_embeddings=4096)
-    config = LlavaConfig(vision_config=CLIPVisionConfig(**vision), text_config=text, image_token_index=63,
-                         projector_hidden_act="gelu", vision_feature_select_strategy=strategy,
-                         vision_feature_layer=feature_layer)
-    device = torch.device(device)
-    with torch.device(device):
-        model = LlavaForConditionalGeneration(config).eval()
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, weight_std or p[0].numel() ** -0.5, generator=gen)  # 1/sqrt(fan_in)
-            elif "norm" in name and name.endswith("weight"):
-                p.normal_(1.0, 0.1, generator=gen)
-            else:
-                p.normal_(0.0, 0.1, generator=gen)
-    model.to(dtype)
-    return LoadedModel(path=Path("."), name="random-llava", model=model, processor=None, device=device, dtype=dtype,
-                       image_token_id=63, image_token="<image>", context_length=4096, load_seconds=0.0)
-
-
-def tiny_vision(hidden_act: str = "quick_gelu", layers: int = 3) -> dict:
-    """A small CLIP tower (32 px, patches of 8: 17 tokens) with odd widths, for checks."""
-    return {"hidden_size": 96, "intermediate_size": 200, "num_hidden_layers": layers, "num_attention_heads": 3,
-            "image_size": 32, "patch_size": 8, "projection_dim": 32, "hidden_act": hidden_act}
-
-
-def llava15_vision() -> dict:
-    """LLaVA-1.5-7B's tower: CLIP ViT-L/14 at 336 px."""
-    return {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
-            "image_size": 336, "patch_size": 14, "projection_dim": 768, "hidden_act": "quick_gelu"}
-
-
-def check(device: torch.device, dtypes: list[torch.dtype]) -> float:
-    """Worst error / tolerance over the kernels and the whole stage; prints one line per case."""
-    worst = 0.0
-
-    def report(name: str, err: float, tol: float) -> None:
-        nonlocal worst
-        worst = max(worst, err / tol if err <= tol or err > tol else float("inf"))  # NaN: fails
-        print(f"{name:56s} relative err {err:.2e} (tol {tol:.0e}) {'ok' if err <= tol else 'FAIL'}")
-
-    gen = torch.Generator().manual_seed(0)
-    for dtype in dtypes:
-        kernel_tol = KERNEL_TOLERANCE[dtype]
-        for rows, cols in ((3, 96), (37, 1024), (5, 1000)):
-            x, r = (torch.randn(rows, cols, generator=gen).to(device, dtype) for _ in range(2))
-            w = (1 + 0.1 * torch.randn(cols, generator=gen)).to(device, dtype)
-            b = torch.randn(cols, generator=gen).to(device, dtype)
-            summed, normed = add_layer_norm(x, r, w, b, 1e-5)
-            ref_sum = r + x
-            report(f"{dtype} add_layer_norm sum {rows}x{cols}", relative_error(summed, ref_sum), kernel_tol)
-            report(f"{dtype} add_layer_norm norm {rows}x{cols}",
-                   relative_error(normed, F.layer_norm(ref_sum, (cols,), w, b, 1e-5)), kernel_tol)
-            report(f"{dtype} layer_norm {rows}x{cols}",
-                   relative_error(layer_norm(x, w, b, 1e-6), F.layer_norm(x, (cols,), w, b, 1e-6)), kernel_tol)
-        for numel in (1000, 3 * 4096 + 5):
-            x = (2 * torch.randn(numel, generator=gen)).to(device, dtype)
-            report(f"{dtype} quick_gelu {numel}", relative_error(activation(x, QUICK_GELU), x * torch.sigmoid(1.702 * x)),
-                   kernel_tol)
-            report(f"{dtype} gelu {numel}", relative_error(activation(x, GELU), F.gelu(x)), kernel_tol)
-        for act, layer, strategy in (("quick_gelu", -2, "default"), ("gelu", [-3, -1], "full")):
-            loaded = random_llava(tiny_vision(act), 64, device, dtype, layer, strategy)
-            pixels = sample_pixels(loaded, 3, seed=1)
-            err = relative_error(FusedVision(loaded)(pixels), encode_images(loaded, pixels))
-            report(f"{dtype} stage {act} layer {layer} {strategy}", err, MODEL_TOLERANCE[dtype])
-    return worst
-
-
-# ---- timing ----------------------------------------------------------------------------------
-
-def matmul_workload(fused: FusedVision, images: int) -> tuple[Callable[[], None], Callable[[], None], float]:
-    """(the stage's matrix products alone, its attention alone, FLOPs of both) at ``images``,
-    on inputs made once, so each time is what cuBLAS / SDPA need on these shapes."""
-    loaded, dev, dt = fused.loaded, fused.loaded.device, fused.dtype
-    vision = loaded.model.config.vision_config
-    tokens = (vision.image_size // vision.patch_size) ** 2 + 1
-    rows, width, inter = images * tokens, vision.hidden_size, vision.intermediate_size
-    x, big = torch.randn(rows, width, device=dev, dtype=dt), torch.randn(rows, inter, device=dev, dtype=dt)
-    qkv = torch.randn(rows, 3 * width, device=dev, dtype=dt)
-    features = torch.randn(images * (tokens - 1), fused.projector.linear_1.in_features, device=dev, dtype=dt)
-    mid = torch.randn(features.shape[0], fused.projector.linear_2.in_features, device=dev, dtype=dt)
-
-    def products() -> None:
-        for w in fused.layers:
-            F.linear(x, w.qkv, w.qkv_bias)
-            F.linear(x, w.out.weight, w.out.bias)
-            F.linear(x, w.fc1.weight, w.fc1.bias)
-            F.linear(big, w.fc2.weight, w.fc2.bias)
-        fused.projector.linear_1(features)
-        fused.projector.linear_2(mid)
-
-    def attend() -> None:
-        for w in fused.layers:
-            attention(qkv, images, tokens, w)
-
-    layer_flops = 2 * rows * width * (4 * width + 2 * inter) + 4 * images * tokens * tokens * width
-    proj = fused.projector
-    proj_flops = 2 * features.shape[0] * (proj.linear_1.in_features * proj.linear_1.out_features
-                                          + proj.linear_2.in_features * proj.linear_2.out_features)
-    return products, attend, len(fused.layers) * layer_flops + proj_flops
-
-
-def matmul_ceiling(device: torch.device, n: int = 8192) -> float:
-    """FLOP/s of one large bf16 matrix product: what the stage's products could reach at best."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n ** 3 / time_cuda(lambda: a @ a)
-
-
-def bench(device: torch.device) -> None:
-    """LLaVA-1.5-7B's vision stage (random bf16 weights): eager vs fused, with and without
-    CUDA graphs, at batch 1 and 32, read against the matrix products alone."""
-    from fovea.engine.vision_graphs import try_graphed_vision
-
-    loaded = random_llava(llava15_vision(), 4096, device, torch.bfloat16, weight_std=0.02)
-    fused = FusedVision(loaded)
-    print("start-up check:", startup_problem(loaded, fused) or "fused agrees with transformers' modules")
-    peak = matmul_ceiling(device)
-    graphed = {"eager": try_graphed_vision(loaded, 32), "fused": try_graphed_vision(loaded, 32, encode=fused)}
-    runs = {"eager": functools.partial(encode_images, loaded), "fused": fused}
-    print(f"bf16 matmul ceiling (8192^3): {peak / 1e12:.0f} TFLOP/s")
-    print(f"{'path':16s}{'batch':>6s}{'ms':>9s}{'img/s':>9s}{'vs eager':>10s}")
-    for images in (1, 32):
-        pixels = sample_pixels(loaded, images, seed=images)
-        base = None
-        for name, run in runs.items():
-            for suffix, fn in (("", run), (" +graph", graphed[name])):
-                if fn is None:
-                    continue
-                seconds = time_cuda(functools.partial(fn, pixels))
-                base = base or seconds
-                print(f"{name + suffix:16s}{images:6d}{1e3 * seconds:9.2f}{images / seconds:9.0f}"
-                      f"{base / seconds:9.2f}x")
-        products, attend, flops = matmul_workload(fused, images)
-        t_mm, t_attn, t_fused = time_cuda(products), time_cuda(attend), time_cuda(functools.partial(fused, pixels))
-        print(f"  matrix products alone {1e3 * t_mm:.2f} ms ({100 * t_mm / t_fused:.0f}% of fused), "
-              f"attention alone {1e3 * t_attn:.2f} ms ({100 * t_attn / t_fused:.0f}%), "
-              f"FLOP floor {images * peak / flops:.0f} img/s")
-
-
-def main(argv: list[str] | None = None) -> int:
-    return kernel_main(argv, __doc__.split("\n")[0], lambda device: check(device, check_dtypes(device)),
-                       {"bench": ("time eager vs fused on LLaVA-1.5-7B's vision stage (random weights)", bench)})
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,8 +16,8 @@ __all__ = ["PagedEngine", "PagedEngineConfig"]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that `python -m fovea.engine.paged.triton_decode --check` runs that module
-    # without the package having imported it first.
+    # Lazy, so that importing one module of the package (a kernel, say) does not import the
+    # whole engine first.
     if name == "PagedEngine":
         from fovea.engine.paged.engine import PagedEngine
 

@@ -13,17 +13,17 @@ from collections.abc import Callable
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.paged import triton_decode, triton_ops, triton_prefill, triton_util
+from fovea.engine.paged import triton_util
 from fovea.engine.paged.attention import (
     AttnMeta,
     DecodeAttention,
     PrefillBatch,
     PrefillSpan,
-    paged_decode_torch,
 )
 from fovea.engine.paged.config import PagedEngineConfig
 from fovea.engine.paged.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
 from fovea.engine.paged.embeddings import PromptEmbedder
+from fovea.engine.paged.kernel_selfcheck import triton_self_check
 from fovea.engine.paged.kv_cache import KVCache, KVPlan
 from fovea.engine.paged.memory_planner import Planner
 from fovea.engine.paged.llama import PagedLlama
@@ -34,28 +34,6 @@ from fovea.engine.vision_graphs import try_graphed_vision
 from fovea.model.loader import LoadedModel
 
 log = logging.getLogger("fovea.engine.paged")
-
-
-def triton_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Run each Triton kernel once on a small case against torch: None if all agree, else
-    what did not (the engine then runs the torch path: slower, never wrong)."""
-    try:
-        q, kc, vc, bt, cl = triton_decode.random_case(3, 8, 2, 64, 16, 700, dtype, device)
-        got = triton_decode.paged_decode(q, kc, vc, bt, cl, 0.125).float()
-        ref = paged_decode_torch(q.float(), kc.float(), vc.float(), bt, cl, 0.125)
-        decode_err = (got - ref).abs().max().item()
-        case = triton_prefill.random_case([(0, 40), (33, 20)], 8, 2, 64, 16, dtype, device)
-        got = triton_prefill.paged_prefill(*case[:6], 0.125, case[6]).float()
-        ref = triton_prefill.prefill_torch_reference(*case[:6], 0.125, case[6]).float()
-        prefill_err = (got - ref).abs().max().item()
-        fused_problem = triton_ops.startup_problem(device, dtype)
-    except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
-        return f"{type(exc).__name__}: {exc}"
-    tol = 2e-4 if dtype == torch.float32 else 2e-2
-    for name, err in (("paged decode", decode_err), ("paged prefill", prefill_err)):
-        if not err <= tol:  # NaN fails too
-            return f"{name}: max error {err:.2e} > {tol:.0e}"
-    return fused_problem
 
 
 def decode_forward(llama: PagedLlama, cache: KVCache, ids: torch.Tensor, positions: torch.Tensor,

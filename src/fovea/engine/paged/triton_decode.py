@@ -16,22 +16,18 @@ small batches split each sequence into up to MAX_PARTS partitions (latency), lar
 batches run one pass per (sequence, kv head) with no merge (bandwidth).
 
 triton is imported lazily: this module imports on machines without it, and
-``triton_util.available()`` says whether the kernel can run. Check it against the torch reference:
-
-    python -m fovea.engine.paged.triton_decode --check
+``triton_util.available()`` says whether the kernel can run. Check it against the torch
+reference, and time it, with ``python3 bench/kernels_check.py --kernel decode --check [--bench]``.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-import math
-import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from fovea.engine.paged.triton_util import check_dtypes, kernel_main, next_pow2
+from fovea.engine.paged.triton_util import next_pow2
 
 PARTITION_TOKENS = 512  # kept for callers that pass it explicitly; the default is automatic
 TILE_TOKENS = 64  # context tokens per loop iteration (4 blocks of 16)
@@ -256,193 +252,3 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             out.stride(0), out.stride(1), TILE=config.tile, BLOCK_P=next_pow2(parts),
             HEAD_DIM=dim, BLOCK_D=block_d, num_warps=2)
     return out
-
-
-# ---- self-test ----------------------------------------------------------------------------
-def random_case(batch: int, heads: int, kv_heads: int, dim: int, block_size: int, max_ctx: int,
-                dtype: torch.dtype, device: torch.device, seed: int = 0, width: int | None = None):
-    """Random caches, shuffled block tables and context lengths 1..max_ctx (max_ctx included).
-
-    ``width`` (at least the blocks max_ctx needs) widens the table as a CUDA graph's is: the
-    columns past the context point at random blocks, as stale entries would."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    used = -(-max_ctx // block_size)
-    width = max(width or used, used)
-    num_blocks = batch * used + 3
-    k_cache = torch.randn((num_blocks, block_size, kv_heads, dim), generator=gen).to(device, dtype)
-    v_cache = torch.randn((num_blocks, block_size, kv_heads, dim), generator=gen).to(device, dtype)
-    q = torch.randn((batch, heads, dim), generator=gen).to(device, dtype)
-    tables = torch.randperm(num_blocks, generator=gen)[:batch * used].view(batch, used)
-    if width > used:
-        stale = torch.randint(0, num_blocks, (batch, width - used), generator=gen)
-        tables = torch.cat([tables, stale], dim=1)
-    lens = torch.randint(1, max_ctx + 1, (batch,), generator=gen)
-    lens[0] = max_ctx
-    return q, k_cache, v_cache, tables.to(device, torch.int32), lens.to(device, torch.int32)
-
-
-def _poison_past_context(k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                         lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Caches with one extra block of NaN and tables whose columns past each context point at
-    it: a kernel that reads a block it should not returns NaN. Also returns the tables the
-    reference should use (the same, with those columns at block 0)."""
-    nan = torch.full_like(k_cache[:1], float("nan"))
-    kc, vc = torch.cat([k_cache, nan]), torch.cat([v_cache, nan])
-    block_size = k_cache.shape[1]
-    cols = torch.arange(tables.shape[1], device=tables.device)[None, :]
-    past = cols >= ((lens.long() + block_size - 1) // block_size)[:, None]
-    poisoned = tables.masked_fill(past, k_cache.shape[0])
-    return kc, vc, poisoned, tables.masked_fill(past, 0)
-
-
-def check(device: torch.device | None = None) -> float:
-    """Compare against the torch reference (in float32) over a grid of shapes; returns the
-    worst error and prints one line per case."""
-    from fovea.engine.paged.attention import paged_decode_torch
-
-    device = device or torch.device("cuda")
-    worst = 0.0
-    # batch, heads, kv_heads, head_dim, block_size, max_ctx, table width (None: just enough),
-    # partition_tokens (None: automatic)
-    cases = [
-        (1, 4, 4, 64, 16, 1, None, None), (3, 8, 2, 64, 16, 40, None, None),
-        (5, 32, 8, 128, 16, 1100, None, None), (2, 32, 32, 128, 16, 2000, None, None),
-        (7, 12, 4, 80, 8, 300, None, None), (64, 32, 8, 128, 16, 700, None, None),
-        # automatic split at several batch sizes (P from 16 down to 1)
-        (1, 32, 32, 128, 16, 705, None, None), (4, 16, 8, 64, 16, 705, None, None),
-        (24, 8, 8, 64, 16, 300, None, None), (48, 4, 4, 64, 8, 150, None, None),
-        # wide tables (a CUDA graph's): stale columns far past every context, poisoned
-        (1, 32, 32, 128, 16, 705, 256, None), (3, 8, 2, 128, 16, 130, 64, None),
-        (40, 4, 4, 64, 16, 90, 64, None), (2, 6, 2, 80, 8, 9, 40, None),
-        (140, 16, 16, 64, 8, 150, 64, None),  # automatic single pass (P=1) over several tiles
-        # explicit partition sizes, also not a multiple of the tile or of the block
-        (3, 8, 2, 64, 16, 700, None, 512), (3, 8, 2, 64, 16, 300, 48, 16),
-        (2, 8, 4, 64, 8, 250, 40, 100), (3, 8, 2, 64, 16, 700, None, 4096),
-    ]
-    sms = _device_sms(device)
-    for dtype in check_dtypes(device):
-        for i, (b, h, kvh, d, bs, ctx, width, pt) in enumerate(cases):
-            q, kc, vc, bt, cl = random_case(b, h, kvh, d, bs, ctx, dtype, device, seed=i, width=width)
-            ref_bt = bt
-            if width is not None:
-                kc, vc, bt, ref_bt = _poison_past_context(kc, vc, bt, cl)
-            scale = d ** -0.5
-            cfg = choose_config(b, kvh, bt.shape[1], bs, sms, pt)
-            got = paged_decode(q, kc, vc, bt, cl, scale, pt).float()
-            ref = paged_decode_torch(q.float(), kc.float(), vc.float(), ref_bt, cl, scale)
-            err = (got - ref).abs().max().item()
-            if math.isnan(err):
-                err = float("inf")
-            tol = 2e-2 if dtype != torch.float32 else 2e-4
-            worst = max(worst, err / tol)
-            print(f"{dtype!s:15s} B={b:3d} H={h:2d} KVH={kvh:2d} D={d:3d} bs={bs:2d} ctx<={ctx:5d} "
-                  f"W={bt.shape[1]:3d} {cfg.describe():34s} max abs err {err:.2e} (tol {tol:.0e}) "
-                  f"{'ok' if err <= tol else 'FAIL'}")
-    return worst
-
-
-def _bench_case(batch: int, ctx: int, width: int, device: torch.device, copies: int = 1):
-    """LLaVA-7B decode shapes on device (32 heads of 128, bf16, block 16), every context
-    ``ctx`` long, shuffled blocks, tables ``width`` blocks wide: ``copies`` tables over
-    disjoint blocks, so that calls cycling through them are not served from L2."""
-    heads, dim, bs = 32, 128, 16
-    used = -(-ctx // bs)
-    num_blocks = copies * batch * used + 1
-    k_cache = torch.randn((num_blocks, bs, heads, dim), device=device, dtype=torch.bfloat16)
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn((batch, heads, dim), device=device, dtype=torch.bfloat16)
-    tables = torch.zeros((copies, batch, width), dtype=torch.int32, device=device)
-    perm = torch.randperm(copies * batch * used, device=device).view(copies, batch, used)
-    tables[:, :, :used] = perm.to(torch.int32)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    return q, k_cache, v_cache, list(tables.unbind(0)), lens
-
-
-BENCH_ROWS = [(1, 705, 45), (32, 705, 45), (256, 705, 45), (1, 705, 256), (32, 705, 256), (256, 705, 256)]
-
-
-def _kv_bytes(batch: int, ctx: int) -> int:
-    return 2 * batch * ctx * 32 * 128 * 2
-
-
-def _bench_fn(batch: int, ctx: int, width: int, device: torch.device):
-    """A call of paged_decode on one bench row; consecutive calls read different K/V (at
-    least ~200 MB between repeats, well past the 50 MB L2) as consecutive layers would."""
-    copies = max(1, min(16, -(-200_000_000 // _kv_bytes(batch, ctx))))
-    q, kc, vc, tables, cl = _bench_case(batch, ctx, width, device, copies)
-    cycle = itertools.cycle(tables)
-
-    def fn(config: DecodeConfig | None = None) -> torch.Tensor:
-        return paged_decode(q, kc, vc, next(cycle), cl, 128 ** -0.5, config=config)
-
-    return fn
-
-
-def bench(device: torch.device) -> None:
-    """One layer of LLaVA-7B-shaped decode attention (32 heads of 128, bf16, 705-token
-    contexts), with tables just wide enough (45 blocks) and as wide as a 4096-token graph's
-    (256 blocks): time launched eagerly ('us', includes any CPU launch overhead) and replayed
-    from a CUDA graph ('graph us', as in the engine), and K/V bytes read per second."""
-    import triton
-
-    sms = _device_sms(device)
-    print(f"{sms} SMs; TB/s from the graph time where there is one")
-    print(f"{'batch':>6s}{'ctx':>6s}{'width':>6s}{'us':>9s}{'graph us':>9s}{'TB/s':>7s}  config")
-    for batch, ctx, width in BENCH_ROWS:
-        fn = _bench_fn(batch, ctx, width, device)
-        cfg = choose_config(batch, 32, width, 16, sms)
-        eager = 1e3 * triton.testing.do_bench(fn, warmup=10, rep=100)
-        try:
-            graphed = 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50)
-        except Exception:  # noqa: BLE001 - the eager time still stands
-            graphed = None
-        best = graphed if graphed is not None else eager
-        g = f"{graphed:9.1f}" if graphed is not None else f"{'-':>9s}"
-        tbs = _kv_bytes(batch, ctx) / (best / 1e6) / 1e12
-        print(f"{batch:6d}{ctx:6d}{width:6d}{eager:9.1f}{g}{tbs:7.2f}  {cfg.describe()}")
-        del fn
-        torch.cuda.empty_cache()
-
-
-def sweep(device: torch.device) -> None:
-    """For each bench row, time the automatic config and variations of it (tile, warps,
-    stages, partitions) from CUDA-graph replays; prints the five fastest per row."""
-    import triton
-
-    sms = _device_sms(device)
-    for batch, ctx, width in BENCH_ROWS:
-        fn = _bench_fn(batch, ctx, width, device)
-        auto = choose_config(batch, 32, width, 16, sms)
-        part_options = sorted({auto.num_parts} | {p for p in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-                                                   if p <= max(4, 2 * auto.num_parts)})
-        results = []
-        grid = itertools.product((16, 32, 64, 128), (4, 8), (2, 3, 4), part_options)
-        for tile, warps, stages, parts in grid:
-            cfg = replace(auto, tile=tile, num_warps=warps, num_stages=stages, num_parts=parts)
-            try:
-                fn(cfg)
-                us = 1e3 * triton.testing.do_bench_cudagraph(functools.partial(fn, cfg), rep=10)
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                print(f"  {cfg.describe()}: {type(exc).__name__}")
-                continue
-            results.append((us, cfg))
-        results.sort(key=lambda r: r[0])
-        auto_us = next((us for us, c in results if c == auto), float("nan"))
-        read = _kv_bytes(batch, ctx)
-        print(f"batch {batch} ctx {ctx} width {width}: auto {auto.describe()} {auto_us:.1f} us "
-              f"({read / (auto_us / 1e6) / 1e12:.2f} TB/s); fastest:")
-        for us, cfg in results[:5]:
-            print(f"    {us:8.1f} us {read / (us / 1e6) / 1e12:5.2f} TB/s  {cfg.describe()}")
-        sys.stdout.flush()
-        del fn
-        torch.cuda.empty_cache()
-
-
-def main(argv: list[str] | None = None) -> int:
-    return kernel_main(argv, __doc__.split("\n")[0], check, {
-        "bench": ("time LLaVA-7B-shaped decode attention", bench),
-        "sweep": ("time variations of the launch config (slow)", sweep)})
-
-
-if __name__ == "__main__":
-    sys.exit(main())

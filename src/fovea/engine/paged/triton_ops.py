@@ -13,7 +13,9 @@ the model dtype), so a step differs from the torch path only by summation order.
 
 triton is imported lazily, as in ``triton_decode``. Check against the torch ops and time:
 
-    python -m fovea.engine.paged.triton_ops --check [--bench]
+    python3 bench/kernels_check.py --kernel ops --check [--bench]
+
+(the engine's start-up check of these kernels is ``kernel_selfcheck.ops_problem``).
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.paged.triton_util import check_dtypes, kernel_main, next_pow2
+from fovea.engine.paged.triton_util import next_pow2
 
 log = logging.getLogger("fovea.engine.paged")
 
@@ -239,132 +240,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if use:
             return gemv(x, weight)
     return F.linear(x, weight, bias)
-
-
-# ---- self-test and timing --------------------------------------------------------------------
-
-def _reference_rms(x, w, eps):
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _reference_rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def check(device: torch.device, dtypes: list[torch.dtype]) -> float:
-    """Worst error / tolerance over all kernels and dtypes; prints one line per case."""
-    worst = 0.0
-
-    def report(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-        nonlocal worst
-        err = (got.float() - ref.float()).abs().max().item()
-        worst = max(worst, err / tol)
-        print(f"{name:48s} max abs err {err:.2e} (tol {tol:.0e}) {'ok' if err <= tol else 'FAIL'}")
-
-    gen = torch.Generator().manual_seed(0)
-    for dtype in dtypes:
-        tol = 2e-4 if dtype == torch.float32 else 3e-2
-        for rows, cols in ((1, 256), (5, 4096), (3, 1000)):
-            x = torch.randn(rows, cols, generator=gen).to(device, dtype)
-            r = torch.randn(rows, cols, generator=gen).to(device, dtype)
-            w = (1 + 0.1 * torch.randn(cols, generator=gen)).to(device, dtype)
-            report(f"{dtype} rms_norm {rows}x{cols}", add_rms_norm(x, w, 1e-5), _reference_rms(x, w, 1e-5), tol)
-            r2 = r.clone()
-            normed = add_rms_norm(x, w, 1e-5, residual=r2)
-            report(f"{dtype} add_rms_norm sum {rows}x{cols}", r2, r + x, tol)
-            report(f"{dtype} add_rms_norm norm {rows}x{cols}", normed, _reference_rms(r + x, w, 1e-5), tol)
-        for tokens, heads, kvh, dim in ((1, 4, 2, 64), (7, 32, 8, 128), (3, 32, 32, 128)):
-            block_size, blocks = 16, 8
-            qkv = torch.randn(tokens, (heads + 2 * kvh) * dim, generator=gen).to(device, dtype)
-            pos = torch.randint(0, 100, (tokens,), generator=gen).to(device)
-            inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
-            freqs = torch.arange(128).float()[:, None] * inv[None]
-            emb = torch.cat((freqs, freqs), -1)
-            cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
-            kc = torch.zeros(blocks, block_size, kvh, dim, dtype=dtype, device=device)
-            vc = torch.zeros_like(kc)
-            slots = torch.randperm(blocks * block_size, generator=gen)[:tokens].to(device)
-            ref = qkv.clone()
-            q, k, v = ref.split([heads * dim, kvh * dim, kvh * dim], dim=1)
-            q_ref = _reference_rope(q.view(tokens, heads, dim), cos[pos][:, None], sin[pos][:, None])
-            k_ref = _reference_rope(k.view(tokens, kvh, dim), cos[pos][:, None], sin[pos][:, None])
-            rope_write_kv(qkv, pos, cos, sin, kc, vc, slots, heads, kvh, dim)
-            name = f"{dtype} rope_write_kv T={tokens} H={heads} KVH={kvh} D={dim}"
-            report(name + " q", qkv[:, :heads * dim].view(tokens, heads, dim), q_ref, tol)
-            report(name + " k cache", kc.view(-1, kvh, dim)[slots], k_ref, tol)
-            report(name + " v cache", vc.view(-1, kvh, dim)[slots], v.view(tokens, kvh, dim), 1e-6)
-        for rows, inter in ((1, 512), (4, 11008), (9, 1000)):
-            gu = torch.randn(rows, 2 * inter, generator=gen).to(device, dtype)
-            g, u = gu.split(inter, dim=1)
-            report(f"{dtype} silu_mul {rows}x{inter}", silu_mul(gu), F.silu(g) * u, tol)
-        for rows, n, k in ((1, 64, 256), (3, 1000, 1100), (4, 4096, 4096), (1, 300, 11008)):
-            x = torch.randn(rows, k, generator=gen).to(device, dtype)
-            w = (torch.randn(n, k, generator=gen) * 0.02).to(device, dtype)
-            ref = (x.float() @ w.float().T)
-            gemv_tol = 1e-3 if dtype == torch.float32 else 2e-2
-            report(f"{dtype} gemv {rows}x{k} @ {n}x{k}", gemv(x, w), ref, gemv_tol)
-    return worst
-
-
-def startup_problem(device: torch.device, dtype: torch.dtype) -> str | None:
-    """One small case per kernel against torch, run when an engine starts: None if all
-    agree, else what disagreed (the engine then runs the torch path instead)."""
-    gen = torch.Generator().manual_seed(0)
-    tol = 2e-4 if dtype == torch.float32 else 3e-2
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
-
-    x, res, w = r(2, 256), r(2, 256), 1 + r(256, scale=0.1)
-    summed = res + x
-    errors = {"add_rms_norm": (add_rms_norm(x, w, 1e-5, residual=res), _reference_rms(summed, w, 1e-5))}
-    qkv = r(3, 8 * 64)  # 4 query heads, 2 kv heads, head_dim 64
-    before = qkv.clone()
-    pos = torch.tensor([0, 5, 9], device=device)
-    emb = torch.arange(16).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))[None]
-    cos, sin = torch.cat([emb, emb], -1).cos().to(device, dtype), torch.cat([emb, emb], -1).sin().to(device, dtype)
-    kc, vc = torch.zeros(2, 16, 2, 64, device=device, dtype=dtype), torch.zeros(2, 16, 2, 64, device=device, dtype=dtype)
-    slots = torch.tensor([3, 17, 30], device=device)
-    rope_write_kv(qkv, pos, cos, sin, kc, vc, slots, 4, 2, 64)
-    q_ref = _reference_rope(before[:, :256].view(3, 4, 64), cos[pos][:, None], sin[pos][:, None])
-    errors["rope_write_kv"] = (qkv[:, :256].view(3, 4, 64), q_ref)
-    errors["kv write"] = (vc.view(-1, 2, 64)[slots], before[:, 384:].view(3, 2, 64))
-    gu = r(2, 256)
-    errors["silu_mul"] = (silu_mul(gu), F.silu(gu[:, :128]) * gu[:, 128:])
-    a, b = r(2, 256), r(64, 256, scale=0.05)
-    errors["gemv"] = (gemv(a, b), a.float() @ b.float().T)
-    for name, (got, ref) in errors.items():
-        err = (got.float() - ref.float()).abs().max().item()
-        if not err <= tol:  # NaN fails too
-            return f"{name}: max error {err:.2e} > {tol:.0e}"
-    return None
-
-
-def bench(device: torch.device) -> None:
-    """Matrix-vector products of the LLaVA-7B decode shapes: Triton vs cuBLAS, bytes/s."""
-    import triton
-
-    shapes = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008),
-              "lm_head": (32064, 4096)}
-    print(f"{'shape':10s}{'rows':>5s}{'triton us':>11s}{'TB/s':>7s}{'cublas us':>11s}{'TB/s':>7s}  config")
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-        for rows in (1, 2, 4, 8):
-            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-            t_tri = triton.testing.do_bench(lambda x=x, w=w: gemv(x, w), warmup=10, rep=100)
-            t_cub = triton.testing.do_bench(lambda x=x, w=w: F.linear(x, w), warmup=10, rep=100)
-            gb = w.numel() * 2 / 1e12
-            best = getattr(_kernels()[3], "best_config", None)
-            print(f"{name:10s}{rows:5d}{1e3 * t_tri:11.1f}{gb / (t_tri / 1e3):7.2f}{1e3 * t_cub:11.1f}"
-                  f"{gb / (t_cub / 1e3):7.2f}  {best}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    return kernel_main(argv, __doc__.split("\n")[0], lambda device: check(device, check_dtypes(device)),
-                       {"bench": ("time the matrix-vector kernel vs cuBLAS", bench)})
-
-
-if __name__ == "__main__":
-    sys.exit(main())

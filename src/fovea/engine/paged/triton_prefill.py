@@ -27,23 +27,21 @@ GQA: query head ``h`` reads KV head ``h // (H // KVH)``. Programs of neighbourin
 that share a KV head read the same K/V tiles, which mostly come from L2.
 
 triton is imported lazily: this module imports without it, and ``triton_util.available()`` says whether
-the kernel can run. Check against the torch reference (``TRITON_INTERPRET=1`` runs the kernel
+the kernel can run. Check against the torch reference
+(``fovea.testing.kernel_cases.prefill_torch_reference``; ``TRITON_INTERPRET=1`` runs the kernel
 in triton's CPU interpreter with ``--device cpu``) and time it:
 
-    python -m fovea.engine.paged.triton_prefill --check [--bench] [--sweep]
+    python3 bench/kernels_check.py --kernel prefill --check [--bench] [--sweep]
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import sys
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from fovea.engine.paged.triton_util import kernel_main, next_pow2
+from fovea.engine.paged.triton_util import next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -201,201 +199,3 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 only matters for fp32 inputs
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
-
-
-def prefill_torch_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            cu_q_lens: torch.Tensor, q_starts: torch.Tensor, block_tables: torch.Tensor,
-                            scale: float, max_q_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``paged_prefill`` in plain torch, computed in fp32: per chunk, gather its K/V through the
-    block table and run SDPA with an explicit causal-with-prefix mask."""
-    tokens, heads, dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    group = heads // kv_heads
-    if out is None:
-        out = torch.empty((tokens, heads, dim), dtype=q.dtype, device=q.device)
-    cu, starts = cu_q_lens.tolist(), q_starts.tolist()
-    for s, start in enumerate(starts):
-        lo, hi = cu[s], cu[s + 1]
-        n = hi - lo
-        if n == 0:
-            continue
-        if n > max_q_len:
-            raise ValueError(f"chunk {s} has {n} queries, more than max_q_len={max_q_len}")
-        total = start + n
-        ids = block_tables[s, :-(-total // block_size)].long()
-        k = k_cache[ids].flatten(0, 1)[:total].float().repeat_interleave(group, dim=1)  # [total, H, D]
-        v = v_cache[ids].flatten(0, 1)[:total].float().repeat_interleave(group, dim=1)
-        pos = torch.arange(start, total, device=q.device)
-        mask = torch.arange(total, device=q.device)[None, :] <= pos[:, None]  # [n, total]
-        o = F.scaled_dot_product_attention(q[lo:hi].float().transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                           v.transpose(0, 1)[None], attn_mask=mask[None, None], scale=scale)
-        out[lo:hi] = o[0].transpose(0, 1).to(out.dtype)
-    return out
-
-
-# ---- self-test ----------------------------------------------------------------------------
-def random_case(spans: list[tuple[int, int]], heads: int, kv_heads: int, dim: int, block_size: int,
-                dtype: torch.dtype, device: torch.device, seed: int = 0, poison: bool = True):
-    """A random problem: chunk s sits at positions spans[s] = (start, length) of its own
-    sequence. Block tables are shuffled over the cache and padded (one spare column, padding
-    pointing at an unused block); the cache holds unit-variance random values, and with
-    ``poison`` every slot that no query may read (past each chunk's end, unused blocks) is
-    NaN, so any read past the causal bound shows in the output.
-
-    Returns (q, k_cache, v_cache, cu_q_lens, q_starts, block_tables, max_q_len)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    need = [-(-(start + n) // block_size) for start, n in spans]
-    width = max(need) + 1
-    num_blocks = sum(need) + 2
-    k_cache = torch.randn((num_blocks, block_size, kv_heads, dim), generator=gen)
-    v_cache = torch.randn((num_blocks, block_size, kv_heads, dim), generator=gen)
-    perm = torch.randperm(num_blocks, generator=gen)
-    spare = int(perm[-1])
-    tables = torch.full((len(spans), width), spare, dtype=torch.int32)
-    readable = torch.zeros((num_blocks, block_size), dtype=torch.bool)
-    used = 0
-    for s, ((start, n), nb) in enumerate(zip(spans, need, strict=True)):
-        tables[s, :nb] = perm[used:used + nb].to(torch.int32)
-        used += nb
-        readable.view(-1)[(tables[s, :nb].long()[:, None] * block_size
-                           + torch.arange(block_size)).flatten()[:start + n]] = True
-    if poison and dtype.is_floating_point:
-        k_cache[~readable] = float("nan")
-        v_cache[~readable] = float("nan")
-    lens = torch.tensor([n for _, n in spans], dtype=torch.int32)
-    cu = torch.zeros(len(spans) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lens, 0)
-    q = torch.randn((int(cu[-1]), heads, dim), generator=gen)
-    starts = torch.tensor([start for start, _ in spans], dtype=torch.int32)
-    return (q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype), cu.to(device),
-            starts.to(device), tables.to(device), int(lens.max()))
-
-
-def random_spans(num: int, max_len: int, max_start: int, seed: int = 0) -> list[tuple[int, int]]:
-    """``num`` chunks of lengths 1..max_len (the first max_len, the last 1 when num > 2) at starts
-    0..max_start (the first at 0, the second past 0 when num > 1)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    lens = torch.randint(1, max_len + 1, (num,), generator=gen).tolist()
-    starts = torch.randint(0, max_start + 1, (num,), generator=gen).tolist()
-    lens[0], starts[0] = max_len, 0
-    if num > 1:
-        starts[1] = max(1, starts[1])
-    if num > 2:
-        lens[-1] = 1
-    return list(zip(starts, lens, strict=True))
-
-
-CPU_CASES = [  # heads, kv_heads, head_dim, block_size, spans (the interpreter is slow: small)
-    (4, 4, 64, 16, [(0, 1)]),
-    (8, 2, 64, 16, [(0, 37), (21, 1), (40, 70), (16, 16)]),
-    (4, 1, 128, 8, [(0, 20), (33, 9), (8, 1)]),
-    (6, 2, 48, 32, [(0, 40), (65, 30)]),
-]
-CUDA_CASES = CPU_CASES + [
-    (32, 32, 128, 16, [(0, 641), (0, 641), (0, 766)]),
-    (32, 32, 128, 16, [(1536, 512)]),
-    (32, 8, 128, 16, random_spans(9, 1500, 3000, seed=1)),
-    (16, 4, 64, 16, random_spans(24, 300, 2000, seed=2)),
-    (12, 4, 80, 8, random_spans(5, 200, 400, seed=3)),
-    (8, 8, 256, 32, random_spans(4, 300, 700, seed=4)),
-    (28, 4, 128, 16, [(0, 3000)]),
-]
-
-
-def check(device: torch.device | None = None, dtypes: list[torch.dtype] | None = None) -> float:
-    """Compare against the torch reference over a grid of cases; prints one line per case and
-    returns the worst error / tolerance (<= 1 passes)."""
-    device = device or torch.device("cuda")
-    if dtypes is None:  # triton's interpreter computes bf16 dots wrongly (triton 3.6): fp16 stands in
-        cpu = [torch.float32, torch.float16]
-        dtypes = cpu if device.type == "cpu" else [torch.float16, torch.bfloat16, torch.float32]
-    cases = CPU_CASES if device.type == "cpu" else CUDA_CASES
-    worst = 0.0
-    for dtype in dtypes:
-        for i, (h, kvh, d, bs, spans) in enumerate(cases):
-            q, kc, vc, cu, qs, bt, max_len = random_case(spans, h, kvh, d, bs, dtype, device, seed=i)
-            scale = d ** -0.5
-            got = paged_prefill(q, kc, vc, cu, qs, bt, scale, max_len).float()
-            ref = prefill_torch_reference(q.float(), kc.float(), vc.float(), cu, qs, bt, scale, max_len)
-            err = (got - ref).abs().max().item()  # NaN (a poisoned slot read) fails too
-            tol = 2e-4 if dtype == torch.float32 else 2e-2
-            ratio = float("inf") if math.isnan(err) else err / tol
-            worst = max(worst, ratio)
-            print(f"{dtype!s:15s} H={h:2d} KVH={kvh:2d} D={d:3d} bs={bs:2d} chunks={len(spans):2d} "
-                  f"tokens={int(cu[-1]):5d} max start={max(s for s, _ in spans):5d} "
-                  f"max abs err {err:.2e} (tol {tol:.0e}) {'ok' if ratio <= 1 else 'FAIL'}")
-    return worst
-
-
-BENCH_SHAPES = [  # name, spans; LLaVA-7B: 32 heads x 128, bf16
-    ("1 x 641 from 0", [(0, 641)]),
-    ("641+641+766 from 0", [(0, 641), (0, 641), (0, 766)]),
-    ("512 from 1536", [(1536, 512)]),
-]
-SWEEP = [PrefillConfig(*c) for c in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 8, 3), (128, 128, 8, 3),
-                                     (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (128, 64, 8, 2),
-                                     (128, 64, 8, 4), (64, 128, 8, 3)]]
-
-
-def _visible_pairs(spans: list[tuple[int, int]]) -> int:
-    return sum(n * start + n * (n + 1) // 2 for start, n in spans)
-
-
-def _sdpa_path(q, kc, vc, cu, bt, spans, scale, out):
-    """The current path (``attention.prefill_attention``): a Python loop of SDPA per chunk, K/V
-    gathered from the cache for chunks past position 0."""
-    from fovea.engine.paged.attention import PrefillSpan, prefill_attention
-
-    block_size = kc.shape[1]
-    cu_l, bt_l = cu.tolist(), bt.long()
-    pieces = []
-    for s, (start, n) in enumerate(spans):
-        ids = bt_l[s, :-(-(start + n) // block_size)]
-        kv_rows = slice(start, start + n)
-        pieces.append((slice(cu_l[s], cu_l[s + 1]), kc[ids].flatten(0, 1)[kv_rows],
-                       vc[ids].flatten(0, 1)[kv_rows], PrefillSpan(cu_l[s], n, start, ids)))
-
-    def run():
-        for rows, k_new, v_new, span in pieces:
-            out[rows] = prefill_attention(q[rows], k_new, v_new, kc, vc, span, scale)
-    return run
-
-
-def bench(device: torch.device, sweep: bool = False) -> None:
-    """Time LLaVA-7B-shaped prefill attention (one layer: 32 heads x 128, bf16, block size 16)
-    against the current per-sequence SDPA path (whose cuDNN / flash plans are warm here, unlike
-    a server's ever-new lengths). TFLOP/s count 4 * D flops per causally visible (query, key)
-    pair and head. ``sweep`` also times the alternative tile configs in SWEEP."""
-    import triton
-    from triton.runtime.errors import OutOfResources
-
-    heads, dim, bs, dtype = 32, 128, 16, torch.bfloat16
-    scale = dim ** -0.5
-    default = tile_config(dim, dtype)
-    print(f"default config for D={dim} {dtype}: {default}")
-    print(f"{'shape':22s}{'config (M, N, warps, stages)':>30s}{'us':>9s}{'TFLOP/s':>9s}")
-    for name, spans in BENCH_SHAPES:
-        q, kc, vc, cu, qs, bt, max_len = random_case(spans, heads, heads, dim, bs, dtype, device, poison=False)
-        flops = 4 * _visible_pairs(spans) * dim * heads
-        out = torch.empty_like(q)
-        runs = [(str(tuple(cfg)), functools.partial(paged_prefill, q, kc, vc, cu, qs, bt, scale, max_len, out,
-                                                    config=cfg))
-                for cfg in ([default, *SWEEP] if sweep else [default])]
-        runs.append(("SDPA per chunk", _sdpa_path(q, kc, vc, cu, bt, spans, scale, out)))
-        for label, fn in runs:
-            try:
-                ms = triton.testing.do_bench(fn, warmup=25, rep=100)
-            except OutOfResources as exc:  # a sweep config past the shared memory
-                print(f"{name:22s}{label:>30s}  {exc}")
-                continue
-            print(f"{name:22s}{label:>30s}{1e3 * ms:9.1f}{flops / (ms / 1e3) / 1e12:9.1f}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    return kernel_main(argv, __doc__.split("\n")[0], check, {
-        "bench": ("time LLaVA-7B-shaped prefill attention", bench),
-        "sweep": ("the same, with alternative tile configs", lambda device: bench(device, sweep=True))})
-
-
-if __name__ == "__main__":
-    sys.exit(main())

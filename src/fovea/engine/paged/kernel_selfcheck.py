@@ -1,0 +1,81 @@
+"""The engine's start-up self-check of its Triton kernels: one small case each against torch.
+
+``ModelRunner`` runs ``triton_self_check`` before it trusts the kernels; any disagreement (or
+failure) sends the engine to the torch path: slower, never wrong. The full checks over many
+shapes are ``bench/kernels_check.py --kernel decode|prefill|ops --check``.
+
+The kernels are called through their modules (``triton_ops.silu_mul``, not an imported name),
+so a test that swaps one for a wrong one sees this check fail.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fovea.engine.paged import triton_decode, triton_ops, triton_prefill
+from fovea.engine.paged.attention import paged_decode_torch
+from fovea.testing.kernel_cases import (
+    prefill_torch_reference,
+    random_decode_case,
+    random_prefill_case,
+    rms_norm_reference,
+    rope_reference,
+)
+
+
+def ops_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """One small case per fused op of ``triton_ops`` against torch: None if all agree, else
+    what disagreed."""
+    gen = torch.Generator().manual_seed(0)
+    tol = 2e-4 if dtype == torch.float32 else 3e-2
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
+
+    x, res, w = r(2, 256), r(2, 256), 1 + r(256, scale=0.1)
+    summed = res + x
+    errors = {"add_rms_norm": (triton_ops.add_rms_norm(x, w, 1e-5, residual=res),
+                               rms_norm_reference(summed, w, 1e-5))}
+    qkv = r(3, 8 * 64)  # 4 query heads, 2 kv heads, head_dim 64
+    before = qkv.clone()
+    pos = torch.tensor([0, 5, 9], device=device)
+    emb = torch.arange(16).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))[None]
+    cos, sin = torch.cat([emb, emb], -1).cos().to(device, dtype), torch.cat([emb, emb], -1).sin().to(device, dtype)
+    kc, vc = torch.zeros(2, 16, 2, 64, device=device, dtype=dtype), torch.zeros(2, 16, 2, 64, device=device, dtype=dtype)
+    slots = torch.tensor([3, 17, 30], device=device)
+    triton_ops.rope_write_kv(qkv, pos, cos, sin, kc, vc, slots, 4, 2, 64)
+    q_ref = rope_reference(before[:, :256].view(3, 4, 64), cos[pos][:, None], sin[pos][:, None])
+    errors["rope_write_kv"] = (qkv[:, :256].view(3, 4, 64), q_ref)
+    errors["kv write"] = (vc.view(-1, 2, 64)[slots], before[:, 384:].view(3, 2, 64))
+    gu = r(2, 256)
+    errors["silu_mul"] = (triton_ops.silu_mul(gu), F.silu(gu[:, :128]) * gu[:, 128:])
+    a, b = r(2, 256), r(64, 256, scale=0.05)
+    errors["gemv"] = (triton_ops.gemv(a, b), a.float() @ b.float().T)
+    for name, (got, ref) in errors.items():
+        err = (got.float() - ref.float()).abs().max().item()
+        if not err <= tol:  # NaN fails too
+            return f"{name}: max error {err:.2e} > {tol:.0e}"
+    return None
+
+
+def triton_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run each Triton kernel once on a small case against torch: None if all agree, else
+    what did not (the engine then runs the torch path: slower, never wrong)."""
+    try:
+        q, kc, vc, bt, cl = random_decode_case(3, 8, 2, 64, 16, 700, dtype, device)
+        got = triton_decode.paged_decode(q, kc, vc, bt, cl, 0.125).float()
+        ref = paged_decode_torch(q.float(), kc.float(), vc.float(), bt, cl, 0.125)
+        decode_err = (got - ref).abs().max().item()
+        case = random_prefill_case([(0, 40), (33, 20)], 8, 2, 64, 16, dtype, device)
+        got = triton_prefill.paged_prefill(*case[:6], 0.125, case[6]).float()
+        ref = prefill_torch_reference(*case[:6], 0.125, case[6]).float()
+        prefill_err = (got - ref).abs().max().item()
+        fused_problem = ops_problem(device, dtype)
+    except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
+        return f"{type(exc).__name__}: {exc}"
+    tol = 2e-4 if dtype == torch.float32 else 2e-2
+    for name, err in (("paged decode", decode_err), ("paged prefill", prefill_err)):
+        if not err <= tol:  # NaN fails too
+            return f"{name}: max error {err:.2e} > {tol:.0e}"
+    return fused_problem

@@ -1,0 +1,29 @@
+"""The Triton kernel modules hold kernels and their launches only: their checks and timings live
+in ``bench/kernels_check.py``, their case builders and references in ``fovea.testing.kernel_cases``."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_kernel_modules_import_nothing_above_them():
+    code = ("import sys\n"
+            "import fovea.engine.paged.triton_decode, fovea.engine.paged.triton_prefill, fovea.engine.paged.triton_ops\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('fovea'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["fovea", "fovea.engine", "fovea.engine.paged", "fovea.engine.paged.triton_decode",
+                   "fovea.engine.paged.triton_ops", "fovea.engine.paged.triton_prefill",
+                   "fovea.engine.paged.triton_util"]
+
+
+def test_the_kernel_check_command_line():
+    script = str(ROOT / "bench" / "kernels_check.py")
+    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, check=False)
+    assert shown.returncode == 0 and "--kernel" in shown.stdout
+    nothing = subprocess.run([sys.executable, script, "--kernel", "ops"], capture_output=True, text=True, check=False)
+    assert nothing.returncode == 2  # no action: the usage, and not a pass
+    refused = subprocess.run([sys.executable, script, "--kernel", "ops", "--sweep"], capture_output=True, text=True,
+                             check=False)
+    assert refused.returncode == 2 and "no --sweep" in refused.stderr
