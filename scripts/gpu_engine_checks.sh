@@ -28,9 +28,9 @@ check "triton prefill kernel vs torch reference" python3 bench/kernels_check.py 
 check "fused norm / rotary / activation / matrix-vector kernels vs torch" python3 bench/kernels_check.py --kernel ops --check
 check "fused vision stage kernels and stage vs transformers' modules" python3 bench/kernels_check.py --kernel vision --check
 check "end-to-end self-check vs transformers generate (demo model, fp32)" \
-  python3 -m fovea.engine.paged.selfcheck --device cuda
-check "same, prefill chunks of 24 tokens" python3 -m fovea.engine.paged.selfcheck --device cuda --chunk 24
-check "same, bfloat16" python3 -m fovea.engine.paged.selfcheck --device cuda --dtype bfloat16
+  python3 bench/paged_selfcheck.py --device cuda
+check "same, prefill chunks of 24 tokens" python3 bench/paged_selfcheck.py --device cuda --chunk 24
+check "same, bfloat16" python3 bench/paged_selfcheck.py --device cuda --dtype bfloat16
 check "GPU tests (memory plan held, out-of-memory recovery)" python3 -m pytest -q -p no:cacheprovider tests/gpu
 
 if ((${#failed[@]})); then

@@ -1,10 +1,12 @@
 """End-to-end check of the paged engine on a device, against transformers' generate.
 
-    python -m fovea.engine.paged.selfcheck --device cuda [--dtype float32|bfloat16]
+    python3 bench/paged_selfcheck.py --device cuda [--dtype float32|bfloat16] [--chunk 24]
 
 Loads the shipped demo model, serves a batch of fresh scenes through PagedEngine (with
 the Triton decode and CUDA graphs when on CUDA) and compares each greedy answer with
-transformers' generate on the same device. Exits 1 if any answer differs.
+transformers' generate on the same device. Exits 1 if any answer differs. (A diagnostic on
+the demo model, so it lives with the benchmarks: the serving package does not depend on
+``fovea.demo``.)
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import logging
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fovea.demo import scenes
 from fovea.engine.paged.config import PagedEngineConfig
