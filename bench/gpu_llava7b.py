@@ -1,6 +1,6 @@
 """Build, check and time fovea against transformers on a random-weight LLaVA-1.5-7B (one GPU).
 
-    python bench/gpu_llava7b.py --out $OUT [--engines paged,simple] [--quick]
+    python bench/gpu_llava7b.py --out $OUT [--quick]
 
 One run, one table. Every figure stands beside the Hugging Face baseline measured in the
 same run and beside its floor, computed from FLOPs and bytes with the ceilings measured at
@@ -31,13 +31,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from fovea.engine.engine import Engine, EngineConfig
 from fovea.engine.paged import triton_util
 from fovea.engine.request import FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.model.loader import LoadedModel
-from fovea.model.prompt import EncodedPrompt
-from fovea.model.vision import encode_images, pixel_hash
+from fovea.model.prompt import EncodedPrompt, ImageInput
+from fovea.model.vision import encode_images
+from fovea.models.base import pixel_hash
+from fovea.models.llava import LlavaAdapter
 
 IMAGE_TOKEN = 32000
 VOCAB = 32064
@@ -101,9 +102,11 @@ def build_model(device: torch.device) -> LoadedModel:
     # Never stop early: every request makes exactly max_tokens tokens, in fovea and in HF.
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    adapter = LlavaAdapter()
     loaded = LoadedModel(path=ROOT, name="llava-1.5-7b-random", model=model, processor=Processor(), device=device,
                          dtype=torch.bfloat16, image_token_id=IMAGE_TOKEN, image_token="<image>",
-                         context_length=4096, load_seconds=0.0)
+                         context_length=4096, load_seconds=0.0, adapter=adapter,
+                         codec=adapter.codec(Processor(), IMAGE_TOKEN, torch.bfloat16))
     return loaded
 
 
@@ -111,8 +114,8 @@ def make_prompt(loaded: LoadedModel, seed: int, text_tokens: int = 64) -> Encode
     g = torch.Generator().manual_seed(seed)
     text = torch.randint(3, 31000, (text_tokens,), generator=g).tolist()
     ids = [1] + text[:5] + [IMAGE_TOKEN] * 576 + text[5:]
-    pixels = torch.randn(1, 3, 336, 336, generator=g)
-    return EncodedPrompt(ids, pixels.to(loaded.device, loaded.dtype), 1, "", [pixel_hash(pixels[0])], 576)
+    pixels = torch.randn(3, 336, 336, generator=g).to(loaded.dtype)
+    return EncodedPrompt(ids, [ImageInput(pixels, 576, pixel_hash(pixels))], "")
 
 
 # ---- ceilings --------------------------------------------------------------------------
@@ -177,21 +180,22 @@ async def run_requests(engine, prompts, max_tokens: int) -> list[dict]:
 
 
 def make_engine(kind: str, loaded: LoadedModel, max_batch: int, batched_tokens: int | None = None):
-    if kind == "paged":
-        from fovea.engine.paged import PagedEngine, PagedEngineConfig
+    """fovea's one engine (``kind`` names it in the table: "paged")."""
+    from fovea.engine.paged import PagedEngine, PagedEngineConfig
 
-        return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=max_batch, max_queue=4096,
-                                                     max_num_batched_tokens=batched_tokens))
-    return Engine(loaded, EngineConfig(max_batch_size=max_batch, max_queue=4096))
+    return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=max_batch, max_queue=4096,
+                                                 max_num_batched_tokens=batched_tokens))
 
 
 def hf_generate(loaded, prompts: list[EncodedPrompt], max_new: int) -> float:
+    """Seconds of transformers' ``generate`` over the prompts as one batch (equal lengths)."""
     ids = torch.tensor([p.input_ids for p in prompts], device=loaded.device)
-    pixels = torch.cat([p.pixel_values for p in prompts])
+    inputs = [loaded.adapter.reference_inputs(p, loaded.device, loaded.image_token_id) for p in prompts]
+    extra = {k: torch.cat([i[k] for i in inputs]) for k in inputs[0]}
     torch.cuda.synchronize()
     t = time.perf_counter()
     with torch.inference_mode():
-        loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+        loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
                               max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
     torch.cuda.synchronize()
     return time.perf_counter() - t
@@ -200,7 +204,7 @@ def hf_generate(loaded, prompts: list[EncodedPrompt], max_new: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
-    parser.add_argument("--engines", default="paged,simple", help="comma list of fovea engines to time")
+    parser.add_argument("--engines", default="paged", help="the engine's label in the table (one engine: paged)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines (reported as nan)")
@@ -318,9 +322,10 @@ def run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, f
     # -- correctness: first-token log-probabilities and greedy tokens vs transformers.
     prompt = make_prompt(loaded, 1)
     ids = torch.tensor([prompt.input_ids], device=device)
+    extra = loaded.adapter.reference_inputs(prompt, device, loaded.image_token_id)
     with torch.inference_mode():
-        ref = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                    pixel_values=prompt.pixel_values, max_new_tokens=16, min_new_tokens=16,
+        ref = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
+                                    max_new_tokens=16, min_new_tokens=16,
                                     do_sample=False, output_logits=True, return_dict_in_generate=True)
     ref_tokens = ref.sequences[0, ids.shape[1]:].tolist()
     ref_logprobs = torch.log_softmax(ref.logits[0][0].float(), dim=-1)

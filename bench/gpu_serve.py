@@ -152,11 +152,10 @@ def offline(model_dir: Path, args, results: dict) -> None:
     from fovea.media import MediaConfig, decode_image_bytes
     from fovea.model.loader import load_model
     from fovea.model.prompt import encode_prompt, render_chat
-    from fovea.serve.preprocess import target_short_side
 
     loaded = load_model(model_dir, args.device, "auto")
     engine = PagedEngine(loaded, PagedEngineConfig())
-    reduce_to = target_short_side(loaded.processor.image_processor)
+    reduce_to = loaded.codec.target_short_side()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
     def prompt(seed: int):

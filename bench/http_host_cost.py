@@ -72,7 +72,7 @@ def main() -> int:
     parser.add_argument("--model", default=str(REPO / "models" / "fovea-shapes"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--engine", default="paged", choices=["paged", "simple"])
+    parser.add_argument("--engine", default="paged", choices=["paged"])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--mix", default="caption")

@@ -142,7 +142,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="for the started server")
     parser.add_argument("--max-batch-size", type=int, default=16)
-    parser.add_argument("--engine", default="paged", choices=["paged", "simple"], help="for the started server")
+    parser.add_argument("--engine", default="paged", choices=["paged"], help="for the started server")
     parser.add_argument("--single", type=int, default=30, help="sequential requests for latency")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64, help="requests in the concurrent phase")

@@ -17,7 +17,6 @@ import time
 import torch
 
 from fovea.demo import scenes
-from fovea.engine.engine import Engine, EngineConfig
 from fovea.engine.paged import PagedEngine, PagedEngineConfig
 from fovea.engine.request import FinishEvent
 from fovea.engine.sampling import SamplingParams
@@ -56,9 +55,9 @@ def main() -> None:
         started = time.perf_counter()
         p = encode(image)
         ids = torch.tensor([p.input_ids], device=loaded.device)
-        pixels = p.pixel_values.to(loaded.device, loaded.dtype)
+        extra = loaded.adapter.reference_inputs(p, loaded.device, loaded.image_token_id)
         with torch.no_grad():
-            loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+            loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
                                   max_new_tokens=48, do_sample=False)
         hf_single.append(time.perf_counter() - started)
     processor = loaded.processor
@@ -77,9 +76,7 @@ def main() -> None:
 
     # fovea: the serving engine; the same static batches as generate; then closed-loop clients.
     def make(kind: str, batch: int):
-        if kind == "paged":
-            return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=batch, cpu_threads=args.threads))
-        return Engine(loaded, EngineConfig(max_batch_size=batch, cpu_threads=args.threads))
+        return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=batch, cpu_threads=args.threads))
 
     async def fovea_static(kind: str) -> tuple[float, int]:
         engine = make(kind, args.batch)
@@ -125,7 +122,7 @@ def main() -> None:
         return latencies, wall, tokens
 
     cols = {}
-    for kind in ("simple", "paged"):
+    for kind in ("paged",):  # the one engine
         single, _, _ = asyncio.run(fovea_run(kind, 1))
         static_s, static_tokens = asyncio.run(fovea_static(kind))
         _, wall, tokens = asyncio.run(fovea_run(kind, args.batch))
@@ -133,7 +130,7 @@ def main() -> None:
 
     where = f"cpu, {args.threads} thread(s)" if args.device == "cpu" else f"{args.device}, {args.dtype}"
     print(f"{loaded.name} on {where}, {args.requests} caption requests, greedy")
-    print(f"{'':<34}{'transformers':>14}{'fovea simple':>14}{'fovea paged':>14}")
+    print(f"{'':<34}{'transformers':>14}{'fovea':>14}")
     row = lambda name, hf, f: print(f"{name:<34}{hf:>14}" + "".join(f"{f(c):>14.1f}" for c in cols.values()))
     row("single p50 ms", f"{1000 * statistics.median(hf_single):.1f}", lambda c: 1000 * statistics.median(c[0]))
     row("single p95 ms", f"{1000 * pct(hf_single, 0.95):.1f}", lambda c: 1000 * pct(c[0], 0.95))

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         same += tokens == ref_tokens
     runner = engine.runner
     graphs = runner.graphs
-    print(f"device={loaded.device} dtype={args.dtype} triton_decode={runner.decode_attention.use_triton} "
+    print(f"device={loaded.device} dtype={args.dtype} attention={runner.attention.name} "
           f"graph_sizes={graphs.sizes if graphs else None} graph_replays={graphs.replayed if graphs else 0} "
           f"steps={engine.steps} queued_ahead={engine.steps_queued_ahead} kv_blocks={runner.kv_plan.num_blocks} ({runner.kv_plan.source})")
     print(f"{same}/{len(prompts)} answers token-identical to transformers generate; "

@@ -28,7 +28,7 @@ from fovea.media import MediaConfig, decode_image_bytes  # noqa: E402
 from fovea.model.contract import check_contract  # noqa: E402
 from fovea.model.loader import load_model  # noqa: E402
 from fovea.model.prompt import encode_prompt, render_chat  # noqa: E402
-from fovea.serve.preprocess import Preprocessor, target_short_side  # noqa: E402
+from fovea.serve.preprocess import Preprocessor  # noqa: E402
 from fovea.testing.random_llava import prompt_words  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def main() -> int:
     loaded = load_model(args.model, "cpu", "bfloat16")
     contract = check_contract(loaded)
     media = MediaConfig()
-    reduce_to = target_short_side(loaded.processor.image_processor)
+    reduce_to = loaded.codec.target_short_side()
     jpegs = [load.photo_jpeg(seed) for seed in range(args.requests)]
     messages = lambda i: [{"role": "user", "content": [{"type": "image"},  # noqa: E731
                                                      {"type": "text", "text": prompt_words(64, i)}]}]

@@ -20,7 +20,7 @@ export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1
 echo "== offline, demo model on cuda, bfloat16"
 timeout 240 python3 bench/offline_demo.py --device cuda --dtype bfloat16 --requests 96 --batch 16 2>&1 \
   | grep -v "Loading weights" | tee "$OUT/offline_demo.log"
-for engine in paged simple; do
+for engine in paged; do
   echo "== HTTP, demo model on cuda, bfloat16, $engine engine"
   timeout 240 python3 bench/http_load.py --device cuda --dtype bfloat16 --engine "$engine" --max-batch-size 16 \
     --single 40 --concurrency 16 --requests 96 --json "$OUT/http_$engine.json" 2>&1 | tee "$OUT/http_$engine.log"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from scene_helpers import LiveServer, free_port, start_server, stop_server
 
 from fovea.config import ServerSettings
 from fovea.model.loader import LoadedModel, load_model
-from scene_helpers import LiveServer, free_port, start_server, stop_server
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,6 @@ class LiveServer:
 
 def start_server(settings: ServerSettings, loaded: LoadedModel) -> tuple[LiveServer, uvicorn.Server, threading.Thread]:
     from fovea.serve.app import create_app
-
     from fovea.serve.http_protocol import uvicorn_options
 
     app = create_app(settings, loaded=loaded)

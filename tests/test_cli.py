@@ -36,7 +36,7 @@ def test_doctor_reports_this_machine_and_the_model_contract():
     report = json.loads(result.stdout)
     names = {c["name"]: c for c in report["checks"]}
     assert result.returncode == (0 if report["ok"] else 1)
-    assert names["contract"]["status"] == "pass" and "64 image tokens per image" in names["contract"]["detail"]
+    assert names["contract"]["status"] == "pass" and "probe images of [64, 64] image tokens" in names["contract"]["detail"]
     assert names["model.directory"]["status"] == "pass"
     assert {"torch.cuda", "gpu.visibility", "env.CUDA_VISIBLE_DEVICES", "container"} <= set(names)
 

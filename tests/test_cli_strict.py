@@ -32,16 +32,10 @@ def test_bad_values_are_refused_in_one_line(flags, message, capsys):
     assert message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("flags, named", [
-    (["--max-batched-tokens", "64"], "--max-batched-tokens"),
-    (["--step-overlap", "on"], "--step-overlap"),
-    (["--fused-vision", "off"], "--fused-vision"),
-    (["--gpu-memory-utilization", "0.5", "--max-model-len", "512"], "--gpu-memory-utilization, --max-model-len"),
-])
-def test_the_simple_engine_refuses_the_paged_engines_flags(flags, named, capsys):
-    assert main(["serve", "--engine", "simple", "--device", "cpu", *flags]) == 2
+def test_the_removed_simple_engine_is_refused_in_one_line(capsys):
+    assert main(["serve", "--engine", "simple", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert f"--engine simple does not use {named}" in err and "Traceback" not in err
+    assert "--engine simple was removed: fovea has one engine (paged)" in err and "Traceback" not in err
 
 
 def test_a_max_model_len_past_the_models_context_is_refused(capsys):

@@ -1,13 +1,13 @@
 import asyncio
 
 import pytest
-import torch
 from scene_helpers import fresh_scene
 from scene_helpers import run_all as run_engine
 
 from fovea.demo import scenes
 from fovea.engine.detokenize import IncrementalDetokenizer
-from fovea.engine.engine import Engine, EngineConfig
+from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine.reference import reference_generate
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
 from fovea.model.prompt import encode_prompt, render_chat
@@ -19,31 +19,23 @@ def prompt_for(model, image, question="Describe the image."):
 
 
 def run_all(model, jobs, config=None):
-    return run_engine(Engine(model, config or EngineConfig()), jobs)
+    return run_engine(PagedEngine(model, config or PagedEngineConfig()), jobs)
 
 
 def test_greedy_is_token_identical_to_transformers_generate(demo_model):
     images = [scenes.render(fresh_scene(i)) for i in range(6)]
     prompts = [prompt_for(demo_model, img) for img in images]
     results = run_all(demo_model, [(p, SamplingParams(max_tokens=40, temperature=0.0)) for p in prompts])
-    eos = demo_model.tokenizer.eos_token_id
     for prompt, (tokens, finish) in zip(prompts, results):
-        ids = torch.tensor([prompt.input_ids])
-        with torch.no_grad():
-            ref = demo_model.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                            pixel_values=prompt.pixel_values, max_new_tokens=40, do_sample=False)
-        ref_tokens = ref[0, ids.shape[1]:].tolist()
-        if ref_tokens and ref_tokens[-1] == eos:
-            ref_tokens = ref_tokens[:-1]
-        assert tokens == ref_tokens
+        assert tokens == reference_generate(demo_model, prompt, 40)
         assert finish.finish_reason == "stop"
 
 
 def test_batched_answers_equal_one_at_a_time_answers(demo_model):
     jobs = [(prompt_for(demo_model, scenes.render(fresh_scene(100 + i))), SamplingParams(max_tokens=40, temperature=0.0))
             for i in range(6)]
-    together = run_all(demo_model, jobs, EngineConfig(max_batch_size=8))
-    alone = run_all(demo_model, jobs, EngineConfig(max_batch_size=1))
+    together = run_all(demo_model, jobs, PagedEngineConfig(max_num_seqs=8))
+    alone = run_all(demo_model, jobs, PagedEngineConfig(max_num_seqs=1))
     assert [t for t, _ in together] == [t for t, _ in alone]
 
 
@@ -78,7 +70,7 @@ def test_max_tokens_and_stop_strings(demo_model):
 
 def test_prompt_longer_than_context_is_refused_up_front(demo_model):
     prompt = prompt_for(demo_model, scenes.render(fresh_scene(1)))
-    engine = Engine(demo_model)
+    engine = PagedEngine(demo_model, PagedEngineConfig(num_blocks=64))
     with pytest.raises(InvalidRequest) as info:
         engine.check_fits(prompt, SamplingParams(max_tokens=demo_model.context_length))
     assert info.value.code == "context_length_exceeded"
@@ -88,7 +80,7 @@ def test_a_full_queue_refuses_with_429(demo_model):
     prompt = prompt_for(demo_model, scenes.render(fresh_scene(2)))
 
     async def main():
-        engine = Engine(demo_model, EngineConfig(max_queue=1))  # not started: nothing drains the queue
+        engine = PagedEngine(demo_model, PagedEngineConfig(max_queue=1, num_blocks=64))  # not started: nothing drains the queue
         first = engine.generate(prompt, SamplingParams(max_tokens=2))
         pending = asyncio.ensure_future(first.__anext__())
         await asyncio.sleep(0)  # let the first request enter the queue

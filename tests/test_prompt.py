@@ -16,8 +16,8 @@ def test_one_image_expands_to_the_vision_tower_feature_count(demo_model):
     text = render_chat(demo_model, user(IMAGE, TEXT))
     enc = encode_prompt(demo_model, text, [Image.new("RGB", (200, 100), "white")])
     assert enc.input_ids.count(demo_model.image_token_id) == 64
-    assert tuple(enc.pixel_values.shape) == (1, 3, 128, 128)
-    assert enc.pixel_values.dtype == demo_model.dtype
+    assert [tuple(im.pixels.shape) for im in enc.images] == [(3, 128, 128)]
+    assert enc.images[0].pixels.dtype == demo_model.dtype and enc.image_token_counts == [64]
 
 
 def test_two_images_and_text_only(demo_model):
@@ -25,7 +25,7 @@ def test_two_images_and_text_only(demo_model):
     img = Image.new("RGB", (64, 64), "white")
     assert encode_prompt(demo_model, text, [img, img]).input_ids.count(demo_model.image_token_id) == 128
     plain = encode_prompt(demo_model, render_chat(demo_model, user(TEXT)), [])
-    assert plain.pixel_values is None and demo_model.image_token_id not in plain.input_ids
+    assert plain.images == [] and demo_model.image_token_id not in plain.input_ids
 
 
 def test_a_template_that_drops_the_placeholder_is_refused(demo_model):

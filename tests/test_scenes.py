@@ -44,7 +44,7 @@ def test_each_shape_is_drawn_in_its_own_cell_in_its_colour(seed):
 
 
 def test_describe_lists_shapes_in_reading_order_with_commas_and_and():
-    shape = lambda c, k, cell: scenes.Shape(c, k, cell, 0.2, (0.5, 0.5), (0, 0, 0))  # noqa: E731
+    shape = lambda c, k, cell: scenes.Shape(c, k, cell, 0.2, (0.5, 0.5), (0, 0, 0))
     scene = scenes.Scene(100, 100, (shape("blue", "square", 4), shape("red", "circle", 0), shape("green", "triangle", 8)))
     assert scenes.describe_answer(scene) == (
         "a red circle at the top left, a blue square in the center and a green triangle at the bottom right")
@@ -54,7 +54,7 @@ def test_describe_lists_shapes_in_reading_order_with_commas_and_and():
 
 
 def test_colour_questions_only_for_unique_kinds_and_exists_is_truthful():
-    shape = lambda c, k, cell: scenes.Shape(c, k, cell, 0.2, (0.5, 0.5), (0, 0, 0))  # noqa: E731
+    shape = lambda c, k, cell: scenes.Shape(c, k, cell, 0.2, (0.5, 0.5), (0, 0, 0))
     scene = scenes.Scene(100, 100, (shape("blue", "square", 4), shape("red", "square", 0), shape("green", "circle", 8)))
     assert [q.question for q in scenes.color_questions(scene)] == ["What color is the circle?"]
     rng = random.Random(0)
@@ -63,7 +63,7 @@ def test_colour_questions_only_for_unique_kinds_and_exists_is_truthful():
         yes = scenes.exists_question(scene, rng, positive=True)
         no = scenes.exists_question(scene, rng, positive=False)
         assert yes.answer == "yes" and no.answer == "no"
-        parse = lambda q: tuple(q.question.removeprefix("Is there a ").removesuffix("?").split())  # noqa: E731
+        parse = lambda q: tuple(q.question.removeprefix("Is there a ").removesuffix("?").split())
         assert parse(yes) in present and parse(no) not in present
 
 

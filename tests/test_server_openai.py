@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-
 from scene_helpers import data_url, fresh_scene
+
 from fovea.demo import scenes
 
 
@@ -65,7 +65,7 @@ def test_streaming_gives_the_same_text_and_ends_with_done(client, live_server):
 
 def test_concurrent_requests_are_each_answered_correctly(client):
     chosen = [fresh_scene(4000 + i) for i in range(12)]
-    describe = lambda s: ask(client, data_url(scenes.render(s)), "Describe the image.").choices[0].message.content  # noqa: E731
+    describe = lambda s: ask(client, data_url(scenes.render(s)), "Describe the image.").choices[0].message.content
     with ThreadPoolExecutor(max_workers=12) as pool:
         together = list(pool.map(describe, chosen))
     one_by_one = [describe(s) for s in chosen]

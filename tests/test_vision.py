@@ -54,17 +54,17 @@ class FakeGraphs:
 def test_the_image_encoder_uses_graphs_for_the_batches_they_hold(demo_model):
     from fovea.engine.encoder_cache import EncoderCache
     from fovea.engine.image_encoder import ImageEncoder
-    from fovea.model.prompt import EncodedPrompt
+    from fovea.model.prompt import EncodedPrompt, ImageInput
 
     def prompt(seed):
-        pixels = torch.randn(1, 3, 128, 128, generator=torch.Generator().manual_seed(seed))
-        return EncodedPrompt([demo_model.image_token_id] * 64, pixels, 1, "", [f"h{seed}"], 64)
+        pixels = torch.randn(3, 128, 128, generator=torch.Generator().manual_seed(seed))
+        return EncodedPrompt([demo_model.image_token_id] * 64, [ImageInput(pixels, 64, f"h{seed}")], "")
 
     graphs = FakeGraphs(demo_model)
     encoder = ImageEncoder(demo_model, EncoderCache(), batch_size=2, graphs=graphs)
     rows = encoder.rows_for([prompt(s) for s in range(3)])  # batches of 2 and 1: both graphed
     assert graphs.calls == [2, 1] and set(rows) == {"h0", "h1", "h2"}
-    assert torch.allclose(rows["h2"], encode_images(demo_model, prompt(2).pixel_values)[0], atol=1e-5)
+    assert torch.allclose(rows["h2"], encode_images(demo_model, prompt(2).images[0].pixels[None])[0], atol=1e-5)
     wide = ImageEncoder(demo_model, EncoderCache(), batch_size=3, graphs=graphs)
     wide.rows_for([prompt(s) for s in range(10, 13)])  # a batch of 3 is beyond the graphs: eager
     assert graphs.calls == [2, 1]

@@ -59,9 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=port, default=8000)
     serve.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
-    serve.add_argument("--engine", choices=["paged", "simple"], default="paged",
-                       help="paged: continuous batching over a paged KV cache (default); simple: static batches "
-                            "through transformers' forward")
+    serve.add_argument("--engine", default="paged",
+                       help="the one engine, paged (continuous batching over a paged KV cache); 'simple' was removed")
     serve.add_argument("--max-batch-size", type=positive_int, default=None,
                        help="sequences decoded together (default: 256 on GPU, 16 on CPU)")
     serve.add_argument("--max-batched-tokens", type=positive_int, default=None,
@@ -203,10 +202,9 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def doctor(args: argparse.Namespace) -> int:
+    from fovea.engine.paged import PagedEngineConfig
     from fovea.guard.checks import exit_code, render_json, render_text
     from fovea.guard.doctor import doctor_checks
-
-    from fovea.engine.paged import PagedEngineConfig
 
     config = PagedEngineConfig(max_num_seqs=args.max_batch_size, max_num_batched_tokens=args.max_batched_tokens,
                                gpu_memory_utilization=args.gpu_memory_utilization,
@@ -218,7 +216,7 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def chat(args: argparse.Namespace) -> int:
-    from fovea.engine.engine import Engine
+    from fovea.engine.paged import PagedEngine, PagedEngineConfig
     from fovea.engine.request import ErrorEvent, FinishEvent
     from fovea.engine.sampling import SamplingParams
     from fovea.media import decode_image_bytes
@@ -241,7 +239,7 @@ def chat(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens or max(1, room), temperature=args.temperature, seed=args.seed)
 
     async def run() -> str:
-        engine = Engine(loaded)
+        engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=1))
         engine.start()
         try:
             async for event in engine.generate(prompt, params):

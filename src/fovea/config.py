@@ -20,7 +20,7 @@ class ServerSettings:
     device: str = "auto"
     dtype: str = "auto"
     served_model_name: str | None = None
-    engine: str = "paged"  # "paged": continuous batching over a paged KV cache; "simple": static batches
+    engine: str = "paged"  # the one engine: continuous batching over a paged KV cache
     max_batch_size: int | None = None  # sequences decoded together; None: 256 on a GPU, 16 on CPU
     # Tokens one paged-engine step may compute (prefill chunks + decodes); None: the engine's
     # default (8192 on CUDA, 512 on CPU). Larger: faster bursts, longer gaps between tokens.
@@ -52,8 +52,12 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} is not between 1 and 65535")
-        if self.engine not in ("paged", "simple"):
-            raise ValueError(f"--engine must be 'paged' or 'simple', not {self.engine!r}")
+        if self.engine == "simple":
+            raise ValueError("--engine simple was removed: fovea has one engine (paged), and transformers' own "
+                             "forward is kept only as the reference tests and `fovea doctor` compare against; "
+                             "drop --engine")
+        if self.engine != "paged":
+            raise ValueError(f"--engine must be 'paged', not {self.engine!r}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError("--max-batch-size must be at least 1")
         if self.max_queue < 1:
@@ -80,14 +84,3 @@ class ServerSettings:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
-        if self.engine == "simple":
-            paged_only = [flag for flag, value in (
-                ("--max-batched-tokens", self.max_batched_tokens),
-                ("--step-overlap", None if self.step_overlap == "auto" else self.step_overlap),
-                ("--fused-vision", None if self.fused_vision == "auto" else self.fused_vision),
-                ("--gpu-memory-utilization", self.gpu_memory_utilization),
-                ("--kv-cache-memory", self.kv_cache_memory),
-                ("--max-model-len", self.max_model_len)) if value is not None]
-            if paged_only:
-                raise ValueError(f"--engine simple does not use {', '.join(paged_only)} (the paged engine's "
-                                 "settings); drop them or use --engine paged")

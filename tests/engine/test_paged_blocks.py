@@ -91,7 +91,9 @@ def test_unnamed_blocks_are_reused_before_cached_ones():
 def test_image_blocks_are_named_by_the_image_not_the_token_ids():
     ids = [1, 2] + [IMAGE] * 6 + [3, 5]
     red, blue = fake_seq(1, ids, ["red"], 6), fake_seq(2, ids, ["blue"], 6)
-    assert image_index_per_position(ids, IMAGE, 6) == [-1, -1, 0, 0, 0, 0, 0, 0, -1, -1]
+    assert image_index_per_position(ids, IMAGE, [6]) == [-1, -1, 0, 0, 0, 0, 0, 0, -1, -1]
+    # Images of different sizes (dynamic resolution): each owns its own count of positions.
+    assert image_index_per_position(ids, IMAGE, [2, 4]) == [-1, -1, 0, 0, 1, 1, 1, 1, -1, -1]
     assert red.block_extra(0, BS) == ("red",) and red.block_extra(2, BS) == ()
     h_red = block_hash(None, ids[:BS], red.block_extra(0, BS))
     h_blue = block_hash(None, ids[:BS], blue.block_extra(0, BS))

@@ -9,14 +9,19 @@ import os
 import pytest
 import torch
 
-from fovea.engine.paged.attention import AttnMeta, DecodeAttention, PrefillBatch, PrefillSpan
+from fovea.engine.paged.attention import AttnMeta, PrefillBatch, PrefillSpan, attention_backend
 from fovea.engine.paged.kv_cache import KVCache
 from fovea.engine.paged.llama import PagedLlama, fuse_rows
+from fovea.models.llava import LlavaAdapter
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
     or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
     reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+
+
+def lm_spec_of(model):
+    return LlavaAdapter().lm_spec(model)
 
 
 def test_fuse_rows_shares_memory_and_is_idempotent():
@@ -53,7 +58,7 @@ def _prefill_then_decode(llama: PagedLlama, prompts: list[list[int]], next_ids: 
         last_rows.append(offset - 1)
     flat = torch.tensor([t for ids in prompts for t in ids])
     meta = AttnMeta(slot_mapping=torch.tensor(slots), prefills=spans)
-    if llama.decode.prefill is not None:  # the Triton path: every span in one kernel launch
+    if llama.backend.batched_prefill:  # the Triton path: every span in one kernel launch
         meta.prefill_batch = PrefillBatch.build(spans, tables, torch.device("cpu"))
     with torch.inference_mode():
         first = llama.forward(llama.embed_ids(flat), torch.tensor(positions), meta, cache,
@@ -72,8 +77,9 @@ def _prefill_then_decode(llama: PagedLlama, prompts: list[list[int]], next_ids: 
 def test_fused_forward_matches_the_torch_forward(demo_model, triton_attention):
     """The CUDA configuration (fused weights and kernels, Triton decode and prefill
     attention) against the CPU one (transformers' ops, torch attention)."""
-    reference = PagedLlama(copy.deepcopy(demo_model.model), 256, DecodeAttention(False))
-    fused = PagedLlama(copy.deepcopy(demo_model.model), 256, DecodeAttention(triton_attention), fused=True)
+    reference = PagedLlama(lm_spec_of(copy.deepcopy(demo_model.model)), 256, attention_backend("torch"))
+    fused = PagedLlama(lm_spec_of(copy.deepcopy(demo_model.model)), 256, attention_backend("triton" if triton_attention else "torch"),
+                       fused=True)
     assert fused.layers[0].qkv is not None and fused.layers[0].gate_up is not None
     gen = torch.Generator().manual_seed(3)
     vocab = reference.embed.shape[0]
@@ -119,7 +125,7 @@ def test_the_runner_feeds_the_triton_prefill_kernel_whole_steps(demo_model):
     def logits_of_steps(triton_attention: bool) -> list[torch.Tensor]:
         runner = ModelRunner(demo_model, config, EncoderCache())
         if triton_attention:
-            runner.decode_attention = runner.llama.decode = DecodeAttention(True)
+            runner.attention = runner.llama.backend = attention_backend("triton")
         sched = Scheduler(BlockManager(runner.kv_plan.num_blocks, runner.block_size), 40, 4)
         seqs = []
         for i, prompt in enumerate(prompts):

@@ -8,17 +8,18 @@ import threading
 import torch
 
 from fovea.engine.paged.sequence import Sequence
+from fovea.engine.reference import reference_generate
 from fovea.engine.request import EngineRequest
 from fovea.engine.sampling import SamplingParams
-from fovea.model.prompt import EncodedPrompt, encode_prompt, render_chat
+from fovea.model.prompt import EncodedPrompt, ImageInput, encode_prompt, render_chat
 
 IMAGE = 4  # the demo model's image token id
 
 
 def fake_seq(seq_id: int, token_ids: list[int], image_hashes: list[str] | None = None,
              tokens_per_image: int = 0, max_tokens: int = 8) -> Sequence:
-    prompt = EncodedPrompt(list(token_ids), None, len(image_hashes or []), "", list(image_hashes or []),
-                           tokens_per_image)
+    images = [ImageInput(torch.zeros(1), tokens_per_image, key) for key in image_hashes or []]
+    prompt = EncodedPrompt(list(token_ids), images, "")
     request = EngineRequest(f"r{seq_id}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0),
                             emit=lambda event: None)
     return Sequence(seq_id, request, IMAGE, torch.device("cpu"), tokenizer=None)
@@ -38,13 +39,5 @@ def reference_tokens(model, prompt, max_tokens: int = 40) -> list[int]:
     key = (tuple(prompt.input_ids), tuple(prompt.image_hashes), max_tokens)
     with _reference_lock:
         if key not in _reference:
-            ids = torch.tensor([prompt.input_ids])
-            with torch.no_grad():
-                out = model.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                           pixel_values=prompt.pixel_values, max_new_tokens=max_tokens,
-                                           do_sample=False)
-            tokens = out[0, ids.shape[1]:].tolist()
-            if tokens and tokens[-1] in model.eos_token_ids:
-                tokens = tokens[:-1]
-            _reference[key] = tokens
+            _reference[key] = reference_generate(model, prompt, max_tokens)
         return _reference[key]

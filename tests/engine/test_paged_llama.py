@@ -1,5 +1,6 @@
 """fovea's own Llama forward over the paged cache against transformers' logits."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -31,10 +32,11 @@ def image_prompt(demo_model):
     return prompt_for(demo_model, scenes.render(fresh_scene(7)))
 
 
-def hf_logits(model, input_ids, pixel_values):
-    ids = torch.tensor([input_ids])
+def hf_logits(model, prompt):
+    ids = torch.tensor([prompt.input_ids])
+    extra = model.adapter.reference_inputs(prompt, model.device, model.image_token_id)
     with torch.no_grad():
-        return model.model(input_ids=ids, pixel_values=pixel_values).logits[0].float()
+        return model.model(input_ids=ids, **extra).logits[0].float()
 
 
 def new_seq(model, prompt, seq_id=1):
@@ -64,7 +66,7 @@ def test_prompt_logits_equal_transformers(demo_model, runner, image_prompt):
                     prefills=[PrefillSpan(0, n, 0, torch.tensor(seq.block_table))])
     with torch.inference_mode():
         ours = runner.llama.forward(seq.prompt_embeds, torch.arange(n), meta, runner.cache).float()
-    ref = hf_logits(demo_model, image_prompt.input_ids, image_prompt.pixel_values)
+    ref = hf_logits(demo_model, image_prompt)
     assert (ours - ref).abs().max().item() < 1e-4
     assert plan.chunks[0].sample
 
@@ -84,7 +86,7 @@ def test_chunked_prefill_and_decode_logits_equal_transformers(demo_model, runner
         logits = runner.execute(plan)
         sched.on_computed(plan)
         if chunk.sample:
-            ref = hf_logits(demo_model, ref_ids, image_prompt.pixel_values)[-1]
+            ref = hf_logits(demo_model, dataclasses.replace(image_prompt, input_ids=list(ref_ids)))[-1]
             assert (logits[0] - ref).abs().max().item() < 1e-4
             token = int(ref.argmax())
             seq.token_ids.append(token)
@@ -117,4 +119,4 @@ def test_rope_matches_transformers_and_refuses_unknown_scaling(demo_model):
 def test_a_non_llama_language_model_is_refused(demo_model, monkeypatch):
     monkeypatch.setattr(demo_model.model.config.text_config, "model_type", "mistral")
     with pytest.raises(ModelLoadError, match="mistral"):
-        PagedLlama(demo_model.model, 64, None)
+        PagedLlama(demo_model.adapter.lm_spec(demo_model.model), 64, None)

@@ -10,6 +10,7 @@ from test_paged_helpers import prompt_for
 
 from fovea.demo import scenes
 from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine.reference import reference_logits
 from fovea.engine.request import ErrorEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
@@ -80,9 +81,7 @@ def test_first_logprobs_are_the_prompts_next_token_distribution(demo_model, over
             engine.stop()
 
     tokens, finish = asyncio.run(main())
-    with torch.no_grad():
-        logits = demo_model.model(input_ids=torch.tensor([prompt.input_ids]),
-                                  pixel_values=prompt.pixel_values).logits[0, -1].float()
+    logits = reference_logits(demo_model, prompt)
     assert (finish.first_logprobs - torch.log_softmax(logits, -1)).abs().max() < 1e-4
     assert tokens[0] == int(finish.first_logprobs.argmax())
 
@@ -165,7 +164,7 @@ def bad_then_good(engine, bad, good):
 def test_a_prompt_whose_image_rows_do_not_match_fails_alone(demo_model):
     good = prompt_for(demo_model, scenes.render(fresh_scene(3)))
     bad = prompt_for(demo_model, scenes.render(fresh_scene(4)))
-    bad.tokens_per_image -= 1
+    bad.images[0].num_tokens -= 1
     engine = engine_for(demo_model)
 
     events, finish = bad_then_good(engine, bad, good)

@@ -175,7 +175,8 @@ def test_choose_vision_encoder_keeps_transformers_modules_off_cuda(demo_model):
 def test_the_image_encoder_runs_the_encode_it_is_given(demo_model):
     from fovea.engine.encoder_cache import EncoderCache
     from fovea.engine.image_encoder import ImageEncoder
-    from fovea.model.prompt import EncodedPrompt
+    from fovea.model.prompt import EncodedPrompt, ImageInput
+    from fovea.models.llava import stacked
 
     calls = []
 
@@ -184,15 +185,15 @@ def test_the_image_encoder_runs_the_encode_it_is_given(demo_model):
         return encode_images(demo_model, pixels) + 1
 
     def prompt(seed):
-        pixels = torch.randn(1, 3, 128, 128, generator=torch.Generator().manual_seed(seed))
-        return EncodedPrompt([demo_model.image_token_id] * 64, pixels, 1, "", [f"h{seed}"], 64)
+        pixels = torch.randn(3, 128, 128, generator=torch.Generator().manual_seed(seed))
+        return EncodedPrompt([demo_model.image_token_id] * 64, [ImageInput(pixels, 64, f"h{seed}")], "")
 
     prompts = [prompt(s) for s in range(3)]
-    rows = ImageEncoder(demo_model, EncoderCache(), batch_size=2, encode=encode).rows_for(prompts)
+    rows = ImageEncoder(demo_model, EncoderCache(), batch_size=2, encode=stacked(encode)).rows_for(prompts)
     assert calls == [2, 1]
-    plain = ImageEncoder(demo_model, EncoderCache(), batch_size=2).rows_for(prompts)  # default: encode_images
+    plain = ImageEncoder(demo_model, EncoderCache(), batch_size=2).rows_for(prompts)  # default: the adapter's
     assert torch.allclose(rows["h2"], plain["h2"] + 1, atol=1e-5)
-    assert torch.allclose(plain["h2"], encode_images(demo_model, prompts[2].pixel_values)[0], atol=1e-5)
+    assert torch.allclose(plain["h2"], encode_images(demo_model, prompts[2].images[0].pixels[None])[0], atol=1e-5)
 
 
 def test_the_vision_graphs_capture_the_encode_they_are_given(demo_model, monkeypatch):

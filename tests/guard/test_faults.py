@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from fovea.engine.engine import Engine
+from fovea.engine.paged import PagedEngine, PagedEngineConfig
 from fovea.errors import ModelLoadError
 from fovea.guard.canary import Canary
 from fovea.model.contract import ContractError, check_contract
@@ -38,7 +38,7 @@ def violated_parts(loaded, **kwargs) -> dict[str, str]:
 
 def run_canary(loaded):
     async def main():
-        engine = Engine(loaded)
+        engine = PagedEngine(loaded, PagedEngineConfig(num_blocks=128))
         engine.start()
         try:
             return await Canary(loaded, engine).run()
@@ -52,7 +52,7 @@ def test_the_healthy_demo_model_passes_the_contract_and_the_canary():
     contract = check_contract(loaded)
     assert (contract.vision_width, contract.projector_in) == (192, 192)
     assert (contract.projector_out, contract.lm_hidden) == (256, 256)
-    assert contract.tokens_per_image == 64 and contract.processor_override == {}
+    assert contract.probe_image_tokens == [64, 64] and contract.processor_override == {}
     result = run_canary(loaded)
     assert result.ok, result.reasons
     assert result.min_ablation_kl > result.threshold
@@ -146,7 +146,8 @@ def test_wrong_image_token_expansion_is_caught():
     loaded = fresh()
     loaded.processor.num_additional_image_tokens = 0  # would insert 63 tokens for 64 features
     parts = violated_parts(loaded)
-    assert "64 image tokens per image" in parts["image token expansion"]
+    assert "expected [64, 64] image tokens" in parts["image token expansion"]
+    assert "got [63, 63]" in parts["image token expansion"]
 
 
 def test_float16_vision_overflow_falls_back_to_bfloat16_with_a_note():

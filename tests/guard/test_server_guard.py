@@ -39,7 +39,7 @@ def test_health_reports_the_contract_and_a_passing_canary(guarded):
     assert health["status"] == "ok" and health["reasons"] == []
     assert health["canary"]["ok"] and health["canary"]["answers"] == {"red": "red", "blue": "blue", "green": "green"}
     assert health["canary"]["min_ablation_kl"] > health["canary"]["threshold"]
-    assert health["tokens_per_image"] == 64 and health["vision_dtype"] == "float32"
+    assert health["probe_image_tokens"] == [64, 64] and health["vision_dtype"] == "float32"
 
 
 def test_grounding_score_separates_image_answers_from_text_answers(guarded):

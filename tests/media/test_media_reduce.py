@@ -56,14 +56,12 @@ def test_the_processor_sees_the_same_picture(demo_model):
 
 
 def test_a_large_scene_is_answered_like_the_small_one(demo_model):
-    from scene_helpers import fresh_scene
+    from scene_helpers import fresh_scene, run_all
 
     from fovea.demo import scenes
-    from fovea.model.prompt import encode_prompt, render_chat
-    from scene_helpers import run_all
-
     from fovea.engine.paged import PagedEngine, PagedEngineConfig
     from fovea.engine.sampling import SamplingParams
+    from fovea.model.prompt import encode_prompt, render_chat
 
     scene = fresh_scene(5150)
     small = scenes.render(scene)

@@ -16,7 +16,8 @@ def test_the_engines_placeholder_guard_is_a_modality_mismatch(make_server, asser
     async def one_row_short(*args, **kwargs):
         prompt, twin = await prompts(*args, **kwargs)
         # A hand-off that lost a row: the engine's own guard must catch it before the model runs.
-        return dataclasses.replace(prompt, tokens_per_image=prompt.tokens_per_image - 1), twin
+        shorter = dataclasses.replace(prompt.images[0], num_tokens=prompt.images[0].num_tokens - 1)
+        return dataclasses.replace(prompt, images=[shorter, *prompt.images[1:]]), twin
 
     pre.prompts = one_row_short
     body = {"messages": [{"role": "user", "content": [

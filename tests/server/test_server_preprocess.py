@@ -9,7 +9,7 @@ from scene_helpers import data_url, fresh_scene
 
 from fovea.demo import scenes
 from fovea.media import MediaConfig
-from fovea.serve.preprocess import DecodeBudget, Preprocessor, PreprocessingFailed, target_short_side
+from fovea.serve.preprocess import DecodeBudget, PreprocessingFailed, Preprocessor
 
 
 def ask(base: str, url: str, **extra) -> httpx.Response:
@@ -52,7 +52,7 @@ def test_workers_that_do_not_run_the_contracts_recipe_are_refused(demo_model):
 
 
 def test_the_processors_target_size_is_read_from_its_config(demo_model):
-    assert target_short_side(demo_model.processor.image_processor) == 128
+    assert demo_model.codec.target_short_side() == 128
 
 
 def test_large_decodes_share_a_budget_and_never_hold_up_small_ones():
@@ -112,6 +112,6 @@ def test_a_worker_that_dies_fails_its_request_loudly_and_is_replaced(demo_model)
         with pytest.raises(PreprocessingFailed, match="died"):
             asyncio.run(pre.prompts(text, [(data, "images[0]")], template_rendered=False))
         prompt, _ = asyncio.run(pre.prompts(text, [(data, "images[0]")], template_rendered=False))
-        assert prompt.num_images == 1 and prompt.tokens_per_image == 64
+        assert prompt.num_images == 1 and prompt.image_token_counts == [64]
     finally:
         pre.close()

@@ -50,7 +50,7 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
             data = sock.recv(65536)
             if not data:
                 return True
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True

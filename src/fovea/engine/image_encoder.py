@@ -6,7 +6,7 @@ the vision tower behave the same whichever engine serves.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import os
 import threading
 import time
@@ -16,60 +16,98 @@ import torch
 
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.model.loader import LoadedModel
-from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch
-from fovea.model.vision import encode_images
+from fovea.models.base import EncodedPrompt, ImageInput, PlaceholderMismatch
 
 
 class ImageEncoder:
     def __init__(self, loaded: LoadedModel, cache: EncoderCache, batch_size: int | None = None,
                  on_vision_seconds: Callable[[float], None] | None = None,
                  graphs: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 encode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 encode: Callable[[list[ImageInput]], list[torch.Tensor]] | None = None,
+                 max_batch_tokens: int | None = None) -> None:
         self.loaded = loaded
         self.cache = cache
         self.batch_size = batch_size  # None: all new images of a step in one call
+        # Image tokens per vision call at most (dynamic-resolution towers: the activation peak
+        # grows with the tokens, not the image count); one image larger than this goes alone.
+        self.max_batch_tokens = max_batch_tokens
         self.on_vision_seconds = on_vision_seconds
-        self.graphs = graphs  # a GraphedVision (CUDA), used for the batches it can run
-        # the vision stage for the other batches: encode_images, or e.g. vision_fused.FusedVision
-        self.encode = encode if encode is not None else functools.partial(encode_images, loaded)
+        self.graphs = graphs  # a GraphedVision (CUDA, fixed-size images), used for the batches it can run
+        # The vision stage for the other batches: the adapter's eager forward, or e.g. the
+        # fused stage of vision_fused (wrapped by models.llava.stacked).
+        self.encode = encode if encode is not None else loaded.adapter.vision_forward(loaded)
         self._gpu_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (begin, end) not yet reported
 
+    def batches(self, images: list[ImageInput]) -> list[list[ImageInput]]:
+        """``images`` in vision calls of at most batch_size images and max_batch_tokens tokens."""
+        out: list[list[ImageInput]] = []
+        tokens = 0
+        for image in images:
+            full = out and (self.batch_size and len(out[-1]) >= self.batch_size
+                            or self.max_batch_tokens and tokens + image.num_tokens > self.max_batch_tokens)
+            if not out or full:
+                out.append([])
+                tokens = 0
+            out[-1].append(image)
+            tokens += image.num_tokens
+        return out
+
+    def to_device(self, images: list[ImageInput]) -> list[ImageInput]:
+        """The images' pixels on the model's device, in one copy. On CUDA it is pinned and
+        asynchronous: a language-model step may still be running, and a plain copy would wait."""
+        device = self.loaded.device
+        if all(image.pixels.device == device for image in images):
+            return images
+        flat = torch.cat([image.pixels.reshape(-1) for image in images])
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        else:
+            flat = flat.to(device)
+        out, offset = [], 0
+        for image in images:
+            n = image.pixels.numel()
+            out.append(dataclasses.replace(image, pixels=flat[offset:offset + n].view(image.pixels.shape)))
+            offset += n
+        return out
+
+    def run(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """One vision call: graphs where they can run the batch, else the eager or fused stage."""
+        if self.graphs is not None and len({tuple(image.pixels.shape) for image in images}) == 1:
+            pixels = torch.stack([image.pixels for image in images])
+            if self.graphs.can_run(pixels):
+                return list(self.graphs(pixels).unbind(0))
+        return self.encode(images)
+
     def rows_for(self, prompts: Iterable[EncodedPrompt]) -> dict[str, torch.Tensor]:
-        """{image hash: [tokens_per_image, hidden]} for every image of ``prompts``."""
+        """{image hash: [num_tokens, hidden]} for every image of ``prompts``."""
         found: dict[str, torch.Tensor] = {}
-        todo: dict[str, torch.Tensor] = {}
+        todo: dict[str, ImageInput] = {}
         for prompt in prompts:
-            for index, key in enumerate(prompt.image_hashes):
+            for image in prompt.images:
+                key = image.hash
                 if key in found or key in todo:
                     continue
                 cached = self.cache.get(key)
                 if cached is not None:
                     found[key] = cached
                 else:
-                    todo[key] = prompt.pixel_values[index]
-        keys = list(todo)
-        step = self.batch_size or max(1, len(keys))
+                    todo[key] = image
         on_cuda = self.loaded.device.type == "cuda"
-        for lo in range(0, len(keys), step):
-            batch = keys[lo:lo + step]
+        for batch in self.batches(list(todo.values())):
             started = time.perf_counter()
-            pixels = torch.stack([todo[k] for k in batch])
-            if on_cuda and pixels.device.type == "cpu":
-                # Pinned and asynchronous: a language-model step may still be running on the
-                # GPU, and a plain copy would wait for it.
-                pixels = pixels.pin_memory().to(self.loaded.device, non_blocking=True)
+            batch = self.to_device(batch)
             begin = self._record() if on_cuda else None
-            if self.graphs is not None and self.graphs.can_run(pixels):
-                encoded = self.graphs(pixels)
-            else:
-                encoded = self.encode(pixels)
+            encoded = self.run(batch)
             if begin is not None:
                 self._gpu_timings.append((begin, self._record()))
             elif self.on_vision_seconds:
                 self.on_vision_seconds(time.perf_counter() - started)
-            for key, rows in zip(batch, encoded, strict=True):
-                self.cache.put(key, rows)
-                found[key] = rows
+            for image, rows in zip(batch, encoded, strict=True):
+                if rows.shape[0] != image.num_tokens:
+                    raise PlaceholderMismatch(f"the vision stage returned {rows.shape[0]} rows for an image of "
+                                              f"{image.num_tokens} tokens", status=500)
+                self.cache.put(image.hash, rows)
+                found[image.hash] = rows
         self._report_finished_timings()
         return found
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from PIL import Image, ImageDraw
 
-from fovea.engine.engine import Engine
+from fovea.engine.paged.engine import PagedEngine
 from fovea.engine.request import ErrorEvent, FinishEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.media import decode_image_bytes
@@ -113,7 +113,7 @@ class CanaryResult:
 
 
 class Canary:
-    def __init__(self, loaded: LoadedModel, engine: Engine, cases: tuple[CanaryCase, ...] = DEFAULT_CASES,
+    def __init__(self, loaded: LoadedModel, engine: PagedEngine, cases: tuple[CanaryCase, ...] = DEFAULT_CASES,
                  media: MediaConfig | None = None, floor: float = KL_FLOOR,
                  prompts: Callable[..., Awaitable[tuple[EncodedPrompt, EncodedPrompt | None]]] | None = None) -> None:
         """``prompts``: the server's preprocessor (``Preprocessor.prompts``), so the canary's images take

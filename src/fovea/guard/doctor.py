@@ -64,7 +64,8 @@ def contract_checks(path: Path, device: str, dtype: str, engine_config=None,
         return checks
     checks.append(Check("contract", Status.PASS,
                         f"widths {contract.vision_width}->{contract.projector_in}, {contract.projector_out}="
-                        f"{contract.lm_hidden}; {contract.tokens_per_image} image tokens per image; recipe "
+                        f"{contract.lm_hidden}; {loaded.adapter.family.name}: probe images of {contract.probe_image_tokens} "
+                        f"image tokens; prompt ids equal transformers'; recipe "
                         f"{contract.recipe_fingerprint}; all on {contract.device}/{contract.dtype}"))
     for note in contract.notes:
         checks.append(Check("contract.note", Status.WARN, note, ""))

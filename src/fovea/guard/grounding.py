@@ -17,7 +17,7 @@ import torch
 from fovea.engine.image_encoder import ImageEncoder, scatter_image_rows, token_embeddings
 from fovea.guard.canary import kl_divergence
 from fovea.model.loader import LoadedModel
-from fovea.model.prompt import EncodedPrompt
+from fovea.models.base import EncodedPrompt, reference_position_ids
 
 SCORED_TOKENS = 8
 _ONE_AT_A_TIME = threading.Lock()
@@ -34,7 +34,10 @@ def answer_logprobs(loaded: LoadedModel, images: ImageEncoder, prompt: EncodedPr
     rows = images.rows_for([prompt])
     embeds = token_embeddings(loaded, ids)
     scatter_image_rows(embeds, ids, [rows[k] for k in prompt.image_hashes], loaded.image_token_id, "grounding")
-    out = loaded.model(inputs_embeds=embeds.unsqueeze(0), logits_to_keep=len(answer_ids) + 1, use_cache=False)
+    positions = reference_position_ids(prompt, ids.shape[0], loaded.device, loaded.adapter.uses_mrope())
+    extra = {} if positions is None else {"position_ids": positions}
+    out = loaded.model(inputs_embeds=embeds.unsqueeze(0), logits_to_keep=len(answer_ids) + 1, use_cache=False,
+                       **extra)
     return torch.log_softmax(out.logits[0, :-1].float(), dim=-1).cpu()
 
 

@@ -5,8 +5,10 @@ Built from the model directory and the loaded modules, checked before the first 
 - widths: vision features -> projector input; projector output -> language-model hidden size;
 - the image token: in the tokenizer, with the id the model expects;
 - the chat template: one placeholder per image;
-- the expansion: the processor turns one placeholder into exactly as many image tokens as
-  the vision stage returns rows for the processor's image size;
+- the same prompt everywhere: fovea's token ids for a chat equal transformers'
+  ``apply_chat_template(..., tokenize=True)`` with the model's own processor;
+- the expansion: each image's placeholder becomes exactly as many image tokens as the vision
+  stage returns rows for it (probe images of two sizes: dynamic-resolution families differ);
 - placement: every parameter and buffer on the one configured device and dtype;
 - the preprocessing recipe: equal to the model's own processor config (run-time overrides
   that touch normalisation are refused unless forced, and then reported);
@@ -18,10 +20,10 @@ Each violation names the part, the expected and actual values, and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
-import random
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
@@ -29,16 +31,15 @@ import torch
 from transformers import AutoImageProcessor
 
 from fovea.errors import ModelLoadError
+from fovea.guard.probe_images import probe_image
 from fovea.model.loader import LoadedModel, is_position_buffer
-from fovea.model.vision import encode_images, vision_modules
+from fovea.models.base import EncodedPrompt
 
 log = logging.getLogger("fovea.contract")
 
-RECIPE_FIELDS = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale",
-                 "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb")
-# Fields whose change alters what the tower was trained to see (values and channel order).
-NORMALISATION_FIELDS = frozenset({"do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std",
-                                  "do_convert_rgb"})
+# Each family names its recipe's fields and, of those, the ones whose change alters what the
+# tower was trained to see (values and channel order): ModelAdapter.recipe_fields / normalisation_fields.
+PROBE_SIZES = ((256, 256), (200, 120))
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def recipe_of(image_processor: Any) -> dict[str, Any]:
-    return {name: _jsonable(getattr(image_processor, name, None)) for name in RECIPE_FIELDS}
+def recipe_of(image_processor: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    return {name: _jsonable(getattr(image_processor, name, None)) for name in fields}
 
 
 def fingerprint(data: Any) -> str:
@@ -97,7 +98,8 @@ class ModelContract:
     lm_hidden: int
     image_token: str
     image_token_id: int
-    tokens_per_image: int
+    # Image tokens of each probe image (PROBE_SIZES): equal for fixed-resolution families.
+    probe_image_tokens: list[int]
     recipe: dict[str, Any]
     recipe_fingerprint: str
     model_fingerprint: str
@@ -113,12 +115,13 @@ def apply_processor_override(loaded: LoadedModel, override: dict[str, Any], forc
     """Apply ``--processor-override``; normalisation changes need ``--force-processor-override``."""
     if not override:
         return []
-    ip = loaded.processor.image_processor
-    unknown = sorted(set(override) - set(RECIPE_FIELDS))
+    ip = loaded.codec.image_processor
+    fields = loaded.adapter.recipe_fields
+    unknown = sorted(set(override) - set(fields))
     if unknown:
-        raise ModelLoadError(f"--processor-override names unknown field(s) {unknown}; allowed: {list(RECIPE_FIELDS)}.")
+        raise ModelLoadError(f"--processor-override names unknown field(s) {unknown}; allowed: {list(fields)}.")
     changed = [k for k, v in override.items() if _jsonable(getattr(ip, k, None)) != _jsonable(v)]
-    risky = sorted(set(changed) & NORMALISATION_FIELDS)
+    risky = sorted(set(changed) & loaded.adapter.normalisation_fields)
     if risky and not force:
         raise ContractError(loaded.name, [Violation(
             "preprocessing recipe",
@@ -143,16 +146,9 @@ def model_fingerprint(loaded: LoadedModel) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def probe_image():
-    from fovea.demo import scenes
-
-    scene = scenes.SceneSampler(min_shapes=3, jpeg_probability=0.0).sample(random.Random(4242))
-    return scenes.render(scene)
-
-
 def _placement_violations(loaded: LoadedModel, vision_dtype: torch.dtype) -> list[Violation]:
-    tower, projector = vision_modules(loaded)
-    vision_ids = {id(t) for m in (tower, projector) for t in list(m.parameters()) + list(m.buffers())}
+    vision_ids = {id(t) for m in loaded.adapter.vision_modules(loaded.model)
+                  for t in list(m.parameters()) + list(m.buffers())}
     wrong: list[str] = []
     named = list(loaded.model.named_parameters()) + list(loaded.model.named_buffers())
     for name, tensor in named:
@@ -176,30 +172,23 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
                    force_override: bool = False) -> ModelContract:
     """Check everything; raise ContractError listing every violation, or return the contract."""
     changed = apply_processor_override(loaded, override or {}, force_override)
+    adapter, codec = loaded.adapter, loaded.codec
     config = loaded.model.config
     tokenizer = loaded.tokenizer
-    tower, projector = vision_modules(loaded)
     violations: list[Violation] = []
     notes: list[str] = []
 
     # Widths along the hand-off.
-    layers = config.vision_feature_layer
-    n_layers = 1 if isinstance(layers, int) else len(layers)
-    vision_width = int(config.vision_config.hidden_size) * n_layers
-    linears = [m for m in projector.modules() if isinstance(m, torch.nn.Linear)]
-    projector_in = linears[0].in_features if linears else -1
-    projector_out = linears[-1].out_features if linears else -1
-    lm_hidden = int(config.text_config.hidden_size)
+    widths = adapter.widths(loaded.model)
     embed_width = loaded.model.get_input_embeddings().weight.shape[1]
-    if projector_in != vision_width:
+    if widths.projector_in != widths.vision_width:
         violations.append(Violation(
-            "projector input width", f"{vision_width} (vision hidden_size {config.vision_config.hidden_size} x "
-            f"{n_layers} feature layer(s))", f"{projector_in} (first projector layer)",
-            "use the projector trained for this vision tower, or fix vision_config / vision_feature_layer"))
-    if projector_out != lm_hidden or embed_width != lm_hidden:
+            "projector input width", f"{widths.vision_width} ({widths.explain_in})",
+            f"{widths.projector_in} (first projector layer)", widths.fix_in))
+    if widths.projector_out != widths.lm_hidden or embed_width != widths.lm_hidden:
         violations.append(Violation(
-            "projector output width", f"{lm_hidden} (language model hidden_size)",
-            f"{projector_out} (last projector layer); token embeddings are {embed_width} wide",
+            "projector output width", f"{widths.lm_hidden} (language model hidden_size)",
+            f"{widths.projector_out} (last projector layer); token embeddings are {embed_width} wide",
             "use the projector trained for this language model, or fix text_config.hidden_size"))
 
     # The image token.
@@ -214,10 +203,8 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
 
     # The chat template: one placeholder per image.
     for n in (1, 2):
-        content = [{"type": "image"}] * n + [{"type": "text", "text": "What is in the image?"}]
         try:
-            text = loaded.processor.apply_chat_template([{"role": "user", "content": content}],
-                                                        add_generation_prompt=True, tokenize=False)
+            text = codec.render(probe_chat(n))
             found = text.count(loaded.image_token)
         except Exception as exc:  # noqa: BLE001 - a broken template is a violation, not a crash
             found, text = -1, str(exc)
@@ -229,31 +216,35 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
             break
 
     # The recipe against the model's own processor config on disk.
-    in_use = recipe_of(loaded.processor.image_processor)
+    fields = adapter.recipe_fields
+    in_use = recipe_of(codec.image_processor, fields)
     try:
-        on_disk = recipe_of(AutoImageProcessor.from_pretrained(loaded.path, local_files_only=True))
+        on_disk = recipe_of(AutoImageProcessor.from_pretrained(loaded.path, local_files_only=True), fields)
     except Exception as exc:  # noqa: BLE001
         on_disk = in_use
         notes.append(f"could not re-read the image processor config: {exc}")
-    differs = sorted(k for k in RECIPE_FIELDS if in_use[k] != on_disk[k] and k not in changed)
+    differs = sorted(k for k in fields if in_use[k] != on_disk[k] and k not in changed)
     if differs:
         violations.append(Violation(
             "preprocessing recipe", "the model's own processor config: " + ", ".join(f"{k}={on_disk[k]}" for k in differs),
             ", ".join(f"{k}={in_use[k]}" for k in differs),
             "serve with the processor from the model directory, or pass the change explicitly with "
             "--processor-override (and --force-processor-override for normalisation)"))
-    forced = bool(set(changed) & NORMALISATION_FIELDS)
+    forced = bool(set(changed) & adapter.normalisation_fields)
     if changed:
         notes.append(f"processor override in effect: {', '.join(f'{k}={in_use[k]}' for k in changed)}"
                      + (" (forced: normalisation differs from the model's)" if forced else ""))
 
-    # Expansion, finiteness and width of the vision output on a probe image. The vision stage
-    # may differ from the model dtype only when this check itself moved it (float16 overflow).
+    # The same prompt as transformers builds, then expansion, finiteness and width of the vision
+    # output on probe images. The vision stage may differ from the model dtype only when this
+    # check itself moved it (float16 overflow).
     vision_dtype = loaded.dtype
-    tokens_per_image = -1
+    probe_tokens: list[int] = []
     if not any(v.part in ("projector input width", "chat template") for v in violations):
         try:
-            tokens_per_image, vision_dtype = _probe_vision(loaded, violations, notes)
+            violations.extend(prompt_equality_violations(loaded))
+            violations.extend(position_violations(loaded))
+            probe_tokens, vision_dtype = _probe_vision(loaded, violations, notes)
         except Exception as exc:  # noqa: BLE001 - any failure here is a contract failure
             violations.append(Violation("vision probe", "the vision stage to run on a probe image",
                                         f"{type(exc).__name__}: {exc}", "see the error; check the model files"))
@@ -264,47 +255,91 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
     return ModelContract(
         model=loaded.name, model_type=config.model_type, device=str(loaded.device),
         dtype=str(loaded.dtype).removeprefix("torch."), vision_dtype=str(vision_dtype).removeprefix("torch."),
-        vision_width=vision_width, projector_in=projector_in, projector_out=projector_out, lm_hidden=lm_hidden,
-        image_token=loaded.image_token, image_token_id=loaded.image_token_id, tokens_per_image=tokens_per_image,
-        recipe=in_use, recipe_fingerprint=fingerprint(in_use), model_fingerprint=model_fingerprint(loaded),
-        processor_override={k: in_use[k] for k in changed}, override_forced=forced, notes=notes,
+        vision_width=widths.vision_width, projector_in=widths.projector_in, projector_out=widths.projector_out,
+        lm_hidden=widths.lm_hidden, image_token=loaded.image_token, image_token_id=loaded.image_token_id,
+        probe_image_tokens=probe_tokens, recipe=in_use, recipe_fingerprint=fingerprint(in_use),
+        model_fingerprint=model_fingerprint(loaded), processor_override={k: in_use[k] for k in changed},
+        override_forced=forced, notes=notes,
     )
 
 
-def _probe_vision(loaded: LoadedModel, violations: list[Violation], notes: list[str]) -> tuple[int, torch.dtype]:
-    processor = loaded.processor
-    text = processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "probe"}]}],
-        add_generation_prompt=True, tokenize=False)
-    encoded = processor(text=text, images=[probe_image()], return_tensors="pt")
-    expanded = int((encoded["input_ids"][0] == loaded.image_token_id).sum())
-    pixels = encoded["pixel_values"].to(loaded.device, loaded.dtype)
-    rows = encode_images(loaded, pixels)
-    tower, projector = vision_modules(loaded)
+def probe_chat(images: int, text: str = "What is in the image?") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}]
+
+
+def prompt_equality_violations(loaded: LoadedModel) -> list[Violation]:
+    """fovea's token ids for a chat against transformers' own, with 0, 1 and 2 images."""
+    codec = loaded.codec
+    out = []
+    for n in (0, 1, 2):
+        messages = probe_chat(n, "probe")
+        images = [probe_image(*size, seed=i) for i, size in enumerate(PROBE_SIZES[:n])]
+        ours = codec.encode(codec.render(messages), images).input_ids
+        theirs = codec.reference_ids(messages, images)
+        if ours != theirs:
+            first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            out.append(Violation(
+                "prompt token ids", f"transformers' apply_chat_template(tokenize=True) ids ({len(theirs)} tokens)",
+                f"{len(ours)} tokens, first difference at position {first} "
+                f"({ours[first:first + 3]} vs {theirs[first:first + 3]}) with {n} image(s)",
+                "fovea and transformers must build the same prompt: check the chat template's BOS handling "
+                "and the tokenizer's add_special_tokens"))
+            break
+    return out
+
+
+def position_violations(loaded: LoadedModel) -> list[Violation]:
+    """M-RoPE families: the codec's position rows for a two-image prompt against transformers'."""
+    images = [probe_image(*size, seed=i) for i, size in enumerate(PROBE_SIZES)]
+    prompt = loaded.codec.encode(loaded.codec.render(probe_chat(len(images), "probe")), images)
+    theirs = loaded.adapter.reference_positions(loaded.model, prompt, loaded.image_token_id)
+    if theirs is None or (prompt.positions, prompt.position_delta) == theirs:
+        return []
+    return [Violation("position ids", f"transformers' get_rope_index rows (delta {theirs[1]})",
+                      f"fovea's rows (delta {prompt.position_delta}), which differ",
+                      "the family's adapter computes M-RoPE positions differently from this transformers "
+                      "version; report it (answers would ignore where things are in the image)")]
+
+
+def _probe_vision(loaded: LoadedModel, violations: list[Violation], notes: list[str]) -> tuple[list[int], torch.dtype]:
+    codec, adapter = loaded.codec, loaded.adapter
+    images = [probe_image(*size, seed=i) for i, size in enumerate(PROBE_SIZES)]
+    prompt = codec.encode(codec.render(probe_chat(len(images), "probe")), images)
+    expanded = sum(1 for t in prompt.input_ids if t == loaded.image_token_id)
+    encode = adapter.vision_forward(loaded)
+    rows = _encode(loaded, encode, prompt)
     vision_dtype = loaded.dtype
-    if not torch.isfinite(rows).all():
-        if loaded.dtype == torch.float16 and next(tower.parameters()).dtype == torch.float16:
+    if not all(torch.isfinite(r).all() for r in rows):
+        modules = adapter.vision_modules(loaded.model)
+        if loaded.dtype == torch.float16 and next(modules[0].parameters()).dtype == torch.float16:
             safer = torch.bfloat16 if (loaded.device.type != "cuda" or torch.cuda.is_bf16_supported()) else torch.float32
-            tower.to(safer)
-            projector.to(safer)
-            vision_dtype = safer
-            rows = encode_images(loaded, pixels)
-            if torch.isfinite(rows).all():
+            for module in modules:
+                module.to(safer)
+            rows = _encode(loaded, encode, prompt)
+            if all(torch.isfinite(r).all() for r in rows):
                 vision_dtype = safer
-                message = (f"vision output overflowed in float16; the vision tower and projector run in "
-                           f"{str(safer).removeprefix('torch.')} and their output is cast to float16 at the hand-off")
+                message = (f"vision output overflowed in float16; the vision stage runs in "
+                           f"{str(safer).removeprefix('torch.')} and its output is cast to float16 at the hand-off")
                 log.warning(message)
                 notes.append(message)
-        if not torch.isfinite(rows).all():
+        if not all(torch.isfinite(r).all() for r in rows):
             violations.append(Violation("vision output", "finite values on a probe image",
                                         "NaN or infinity", "check the vision weights and dtype (try --dtype float32)"))
-    if rows.shape[1] != expanded:
+    returned = [int(r.shape[0]) for r in rows]
+    if returned != prompt.image_token_counts or sum(returned) != expanded:
         violations.append(Violation(
-            "image token expansion", f"{rows.shape[1]} image tokens per image (rows the vision stage returns)",
-            f"{expanded} (tokens the processor inserts for one placeholder)",
-            "make processor_config.json's patch_size / num_additional_image_tokens / "
-            "vision_feature_select_strategy match the vision tower"))
-    if rows.shape[-1] != loaded.model.get_input_embeddings().weight.shape[1]:
-        violations.append(Violation("image embedding width", f"{loaded.model.get_input_embeddings().weight.shape[1]}",
-                                    f"{rows.shape[-1]}", "fix the projector"))
-    return expanded, vision_dtype
+            "image token expansion", f"{returned} image tokens for the probe images (rows the vision stage returns)",
+            f"{prompt.image_token_counts} (tokens the processor inserts; {expanded} image tokens in the prompt)",
+            "make the processor config (patch_size, merge_size, num_additional_image_tokens, "
+            "vision_feature_select_strategy) match the vision tower"))
+    embed_width = loaded.model.get_input_embeddings().weight.shape[1]
+    if any(r.shape[-1] != embed_width for r in rows):
+        violations.append(Violation("image embedding width", f"{embed_width}", f"{rows[0].shape[-1]}",
+                                    "fix the projector"))
+    return returned, vision_dtype
+
+
+def _encode(loaded: LoadedModel, encode, prompt: EncodedPrompt) -> list[torch.Tensor]:
+    images = [dataclasses.replace(image, pixels=image.pixels.to(loaded.device)) for image in prompt.images]
+    with torch.inference_mode():
+        return encode(images)

@@ -1,4 +1,4 @@
-"""Load a local Hugging Face LLaVA-family directory onto one device in one dtype.
+"""Load a local Hugging Face VLM directory onto one device in one dtype, through its family's adapter.
 
 Nothing is downloaded: every transformers call uses ``local_files_only`` and fovea sets
 ``HF_HUB_OFFLINE=1`` on import. A directory that cannot be served is refused up front
@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from fovea.errors import ModelLoadError
+from fovea.models import ModelAdapter, PromptCodec, adapter_for, supported_model_types
 
 log = logging.getLogger("fovea.model")
 
-SUPPORTED_MODEL_TYPES = {"llava": LlavaForConditionalGeneration}
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "fovea-shapes"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -30,18 +29,24 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class LoadedModel:
     path: Path
     name: str
-    model: LlavaForConditionalGeneration
-    processor: Any  # the model's own transformers processor (LlavaProcessor)
+    model: Any  # the family's transformers model (LlavaForConditionalGeneration, ...)
+    processor: Any  # the model's own processor (or, for Qwen2.5-VL, its tokenizer and image processor)
     device: torch.device
     dtype: torch.dtype
     image_token_id: int
     image_token: str
     context_length: int
     load_seconds: float
+    adapter: ModelAdapter
+    codec: PromptCodec  # builds this model's prompts (picklable: worker processes get a copy)
 
     @property
     def tokenizer(self) -> Any:
         return self.processor.tokenizer
+
+    @property
+    def model_type(self) -> str:
+        return str(self.model.config.model_type)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -106,10 +111,10 @@ def inspect_model_dir(path: Path) -> dict:
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{config_file} is not valid JSON: {exc}.") from exc
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if adapter_for(model_type) is None:
         raise ModelLoadError(
             f"{path}: model_type {model_type!r} is not supported; fovea serves "
-            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (LLaVA-family) models."
+            f"{', '.join(supported_model_types())} models (see docs/models.md to add a family)."
         )
     missing = []
     if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
@@ -167,9 +172,11 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
     config = inspect_model_dir(path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    model_class = SUPPORTED_MODEL_TYPES[config["model_type"]]
+    adapter = adapter_for(config["model_type"])
+    assert adapter is not None  # inspect_model_dir refused the others
+    model_class = adapter.model_class()
     try:
-        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+        processor = adapter.load_processor(path)
         model, info = model_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
                                                   output_loading_info=True)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
@@ -184,8 +191,7 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
         if tensor.is_floating_point() and tensor.dtype != torch_dtype and not is_position_buffer(name):
             tensor.data = tensor.data.to(torch_dtype)
     tokenizer = processor.tokenizer
-    image_token = getattr(processor, "image_token", None) or "<image>"
-    image_token_id = int(model.config.image_token_id)
+    image_token, image_token_id = adapter.image_token(processor, model.config)
     if tokenizer.convert_tokens_to_ids(image_token) != image_token_id:
         raise ModelLoadError(
             f"{path}: the processor's image token {image_token!r} has id "
@@ -204,6 +210,8 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
         image_token=image_token,
         context_length=int(getattr(text_config, "max_position_embeddings", 4096)),
         load_seconds=time.perf_counter() - started,
+        adapter=adapter,
+        codec=adapter.codec(processor, image_token_id, torch_dtype),
     )
     log.info(
         "loaded %s (%s, %.1f M parameters) on device=%s dtype=%s in %.1f s",

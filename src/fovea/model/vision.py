@@ -1,4 +1,4 @@
-"""The vision half of a LLaVA model: pixels -> vision tower -> projector -> LM-width rows.
+"""The vision half of a LLaVA-family model (CLIP-style tower): pixels -> vision tower -> projector -> LM-width rows.
 
 fovea runs this stage itself, outside the language model's forward, so that the result
 can be cached by image, timed, checked (finite, right count, right width) and, later,
@@ -8,11 +8,10 @@ selection (which hidden layer, whether to drop CLS) is spelled out here, from th
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from fovea.model.loader import LoadedModel
+from fovea.models.base import pixel_hash  # noqa: F401 - re-exported
 
 
 def vision_modules(loaded: LoadedModel) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -70,13 +69,3 @@ def encode_images(loaded: LoadedModel, pixel_values: torch.Tensor) -> torch.Tens
     projector_dtype = next(projector.parameters()).dtype
     embeddings = projector(features.to(projector_dtype))
     return embeddings.to(loaded.dtype)
-
-
-def pixel_hash(pixels: torch.Tensor) -> str:
-    """Content hash of one preprocessed image as the model will see it (the encoder cache key):
-    its dtype, shape and bytes, hashed in place (a bfloat16 image is half the bytes of float32)."""
-    data = pixels.detach().to("cpu").contiguous()
-    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
-    digest.update(data.view(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-

@@ -13,12 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from fovea import __version__
 from fovea.config import SWITCH, ServerSettings
-from fovea.engine.engine import Engine, EngineConfig
 from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.errors import FoveaError
-from fovea.model.contract import check_contract
 from fovea.engine.paged.memory_plan import check_weights_fit
+from fovea.errors import FoveaError
 from fovea.guard.memory import estimate_weight_bytes
+from fovea.model.contract import check_contract
 from fovea.model.loader import LoadedModel, default_model_dir, load_model, resolve_device, resolve_dtype
 from fovea.serve.body_limit import BodyLimitMiddleware
 from fovea.serve.chat import make_chat_router
@@ -67,19 +66,15 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses),
                       lambda: getattr(engine, "oom_recoveries", 0))
     on_vision = lambda s: metrics.vision_latency.observe(1000 * s)
-    if settings.engine == "paged":
-        engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
-                                                       max_queue=settings.max_queue,
-                                                       max_num_batched_tokens=settings.max_batched_tokens,
-                                                       overlap_steps=SWITCH[settings.step_overlap],
-                                                       fused_vision=SWITCH[settings.fused_vision],
-                                                       gpu_memory_utilization=settings.gpu_memory_utilization,
-                                                       kv_cache_memory=settings.kv_cache_memory,
-                                                       max_model_len=settings.max_model_len),
-                             on_vision_seconds=on_vision)
-    else:
-        engine = Engine(loaded, EngineConfig(settings.max_batch_size or 16, settings.max_queue),
-                        on_vision_seconds=on_vision)
+    engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
+                                                   max_queue=settings.max_queue,
+                                                   max_num_batched_tokens=settings.max_batched_tokens,
+                                                   overlap_steps=SWITCH[settings.step_overlap],
+                                                   fused_vision=SWITCH[settings.fused_vision],
+                                                   gpu_memory_utilization=settings.gpu_memory_utilization,
+                                                   kv_cache_memory=settings.kv_cache_memory,
+                                                   max_model_len=settings.max_model_len),
+                         on_vision_seconds=on_vision)
     state = ServerState.build(settings, loaded, engine, contract, metrics)
 
     async def run_canary() -> None:
@@ -104,8 +99,9 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        log.info("serving %s on device=%s dtype=%s (vision %s), %d image tokens per image",
-                 state.model_name, loaded.device, contract.dtype, contract.vision_dtype, contract.tokens_per_image)
+        log.info("serving %s (%s) on device=%s dtype=%s (vision %s), probe images of %s image tokens",
+                 state.model_name, loaded.adapter.family.name, loaded.device, contract.dtype, contract.vision_dtype,
+                 contract.probe_image_tokens)
         task = None
         try:
             if settings.canary:
@@ -143,11 +139,12 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             "device": str(loaded.device),
             "dtype": contract.dtype,
             "vision_dtype": contract.vision_dtype,
-            "tokens_per_image": contract.tokens_per_image,
+            "model_family": loaded.adapter.family.name,
+            "probe_image_tokens": contract.probe_image_tokens,
             "recipe_fingerprint": contract.recipe_fingerprint,
             "processor_override": contract.processor_override,
             "queue_depth": engine.queue_depth,
-            "memory": engine.memory_report() if isinstance(engine, PagedEngine) else None,
+            "memory": engine.memory_report(),
             "canary": None if last is None else {
                 "ok": last.ok, "min_ablation_kl": last.min_ablation_kl, "threshold": last.threshold,
                 "checked_at": last.checked_at, "answers": {c.colour: c.answer for c in last.cases}},

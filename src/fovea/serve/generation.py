@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from fovea.engine.image_encoder import ImageEncoder
 from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import FoveaError, InvalidRequest
-from fovea.engine.image_encoder import ImageEncoder
 from fovea.guard.canary import KL_FLOOR
 from fovea.guard.grounding import answer_dependence
 from fovea.model.prompt import EncodedPrompt

@@ -27,7 +27,6 @@ import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ from PIL import Image
 from fovea.errors import FoveaError
 from fovea.media import MediaConfig, decode_image_bytes
 from fovea.model.contract import fingerprint, recipe_of
-from fovea.model.prompt import EncodedPrompt, encode_prompt
+from fovea.models.base import EncodedPrompt, PromptCodec
 
 log = logging.getLogger("fovea.serve")
 
@@ -50,28 +49,11 @@ class PreprocessingFailed(FoveaError):
     status, code, type = 500, "preprocessing_failed", "server_error"
 
 
-@dataclass(frozen=True, slots=True)
-class PromptModel:
-    """What building a prompt needs of the model: its processor and image token (no weights)."""
-
-    processor: Any
-    image_token: str
-    image_token_id: int
-    dtype: torch.dtype
+def codec_fingerprint(codec: PromptCodec, fields: tuple[str, ...]) -> str:
+    return fingerprint(recipe_of(codec.image_processor, fields))
 
 
-def target_short_side(image_processor: Any) -> int | None:
-    """The shortest side the processor resizes images to (None when it does not say)."""
-    size = getattr(image_processor, "size", None) or {}
-    if not isinstance(size, dict):
-        size = {k: getattr(size, k, None) for k in ("shortest_edge", "height", "width")}
-    if size.get("shortest_edge"):
-        return int(size["shortest_edge"])
-    sides = [size[k] for k in ("height", "width") if size.get(k)]
-    return int(min(sides)) if sides else None
-
-
-def build_prompts(model: PromptModel, media: MediaConfig, reduce_to: int | None, text: str,
+def build_prompts(model: PromptCodec, media: MediaConfig, reduce_to: int | None, text: str,
                   images: list[tuple[bytes, str]], template_rendered: bool,
                   blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None]:
     """Decode each image (its refusal names ``where``, its request path) and encode the prompt,
@@ -83,26 +65,25 @@ def build_prompts(model: PromptModel, media: MediaConfig, reduce_to: int | None,
         except FoveaError as exc:
             exc.param = where
             raise
-    prompt = encode_prompt(model, text, decoded, template_rendered=template_rendered)
+    prompt = model.encode(text, decoded, template_rendered=template_rendered)
     twin = None
     if blank_twin and decoded:
         blanks = [Image.new("RGB", im.size, (255, 255, 255)) for im in decoded]
-        twin = encode_prompt(model, text, blanks, template_rendered=template_rendered)
+        twin = model.encode(text, blanks, template_rendered=template_rendered)
     return prompt, twin
 
 
 # ---- worker processes -----------------------------------------------------------------
 # The worker's processor, media limits, target size and its recipe's fingerprint (read once:
 # the processor does not change after start-up, and every answer carries it).
-_WORKER: tuple[PromptModel, MediaConfig, int | None, str] | None = None
+_WORKER: tuple[PromptCodec, MediaConfig, int | None, str] | None = None
 
 
-def _init_worker(processor: bytes, image_token: str, image_token_id: int, dtype: str, media: MediaConfig,
-                 reduce_to: int | None) -> None:
+def _init_worker(codec: bytes, recipe_fields: tuple[str, ...], media: MediaConfig, reduce_to: int | None) -> None:
     global _WORKER
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
-    model = PromptModel(pickle.loads(processor), image_token, image_token_id, getattr(torch, dtype))
-    _WORKER = (model, media, reduce_to, fingerprint(recipe_of(model.processor.image_processor)))
+    model = pickle.loads(codec)
+    _WORKER = (model, media, reduce_to, codec_fingerprint(model, recipe_fields))
 
 
 def _work(text: str, images: list[tuple[bytes, str]], template_rendered: bool, blank_twin: bool):
@@ -165,14 +146,13 @@ def header_pixels(data: bytes) -> int:
 
 class Preprocessor:
     def __init__(self, loaded: Any, media: MediaConfig, workers: int, recipe_fingerprint: str) -> None:
-        self.model = PromptModel(loaded.processor, loaded.image_token, loaded.image_token_id, loaded.dtype)
+        self.model: PromptCodec = loaded.codec
         self.media = media
-        self.reduce_to = target_short_side(loaded.processor.image_processor)
+        self.reduce_to = loaded.codec.target_short_side()
         self.fingerprint = recipe_fingerprint
         self.workers = workers
         self.pool: ProcessPoolExecutor | None = None
-        self._initargs = (pickle.dumps(loaded.processor), loaded.image_token, loaded.image_token_id,
-                          str(loaded.dtype).removeprefix("torch."), media, self.reduce_to)
+        self._initargs = (pickle.dumps(loaded.codec), loaded.adapter.recipe_fields, media, self.reduce_to)
         if workers > 0:
             self._start_pool()
             log.info("preprocessing in %d worker processes", workers)

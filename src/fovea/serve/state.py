@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fovea.config import ServerSettings
-from fovea.engine.engine import Engine
+from fovea.engine.paged.engine import PagedEngine
 from fovea.guard.canary import Canary
 from fovea.media import ImageStore, MediaResolver
 from fovea.model.contract import ModelContract
@@ -18,7 +18,7 @@ from fovea.serve.preprocess import Preprocessor
 class ServerState:
     settings: ServerSettings
     loaded: LoadedModel
-    engine: Engine
+    engine: PagedEngine
     store: ImageStore
     resolver: MediaResolver
     model_name: str
@@ -44,8 +44,8 @@ class ServerState:
         return []
 
     @classmethod
-    def build(cls, settings: ServerSettings, loaded: LoadedModel, engine: Engine, contract: ModelContract,
-              metrics: Metrics) -> "ServerState":
+    def build(cls, settings: ServerSettings, loaded: LoadedModel, engine: PagedEngine, contract: ModelContract,
+              metrics: Metrics) -> ServerState:
         gen = loaded.model.generation_config
         sampling = bool(getattr(gen, "do_sample", False))
         store = ImageStore(settings.media)

@@ -182,6 +182,7 @@ def random_llava(vision: dict, text_hidden: int, device: torch.device | str, dty
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     from fovea.model.loader import LoadedModel
+    from fovea.models.llava import LlavaAdapter
 
     text = LlamaConfig(vocab_size=64, hidden_size=text_hidden, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=max(1, text_hidden // 128), max_position_embeddings=4096)
@@ -201,8 +202,10 @@ def random_llava(vision: dict, text_hidden: int, device: torch.device | str, dty
             else:
                 p.normal_(0.0, 0.1, generator=gen)
     model.to(dtype)
+    adapter = LlavaAdapter()
     return LoadedModel(path=Path("."), name="random-llava", model=model, processor=None, device=device, dtype=dtype,
-                       image_token_id=63, image_token="<image>", context_length=4096, load_seconds=0.0)
+                       image_token_id=63, image_token="<image>", context_length=4096, load_seconds=0.0,
+                       adapter=adapter, codec=adapter.codec(None, 63, dtype))
 
 
 def tiny_vision(hidden_act: str = "quick_gelu", layers: int = 3) -> dict:

@@ -143,10 +143,11 @@ def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator,
     return t.to(torch.bfloat16).cpu()
 
 
-def write_weights(config: LlavaConfig, out: Path, device: torch.device, seed: int = 0) -> int:
-    """Random bf16 weights for every tensor transformers expects, in shards with an index; returns bytes."""
+def write_weights(config, out: Path, device: torch.device, seed: int = 0,
+                  model_class: type = LlavaForConditionalGeneration) -> int:
+    """Random bf16 weights for every tensor ``model_class(config)`` has, in shards with an index; returns bytes."""
     with torch.device("meta"):
-        model = LlavaForConditionalGeneration(config)
+        model = model_class(config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     generator = torch.Generator(device=device).manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -191,16 +192,21 @@ def prompt_words(count: int, seed: int) -> str:
     return " ".join(rng.choice(pool) for _ in range(count))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llava-1.5-7b")
+def cli(argv: list[str] | None, description: str, archs: dict, default: str, write) -> int:
+    """The ``--arch/--out/--device/--seed`` command line of a random-checkpoint writer."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--arch", choices=sorted(archs), default=default)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cpu", help="where the random numbers are drawn (cuda is faster)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    write_model_dir(args.out, args.arch, args.device, args.seed)
+    write(args.out, args.arch, args.device, args.seed)
     print(args.out)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, __doc__.splitlines()[0], ARCHITECTURES, "llava-1.5-7b", write_model_dir)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""Attention over the paged KV cache: prefill chunks through SDPA, decodes through a
-paged-decode function (Triton on CUDA, a gather-by-block-table torch version elsewhere)."""
+"""Attention over the paged KV cache, through a backend chosen once at start-up
+(``attention_backend``): ``triton`` (fovea's kernels, CUDA) or ``torch`` (SDPA, anywhere)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -131,41 +132,78 @@ def paged_decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out.reshape(batch, heads, dim)
 
 
-class DecodeAttention:
-    """Chooses the paged-attention implementations once: Triton decode and prefill kernels
-    on CUDA when they work, torch elsewhere."""
+class AttentionBackend(ABC):
+    """How a step's attention runs over the paged cache: decodes, and prefill chunks.
 
-    def __init__(self, use_triton: bool) -> None:
-        self.use_triton = use_triton
-        self._triton = None
-        self.prefill = None  # triton_prefill.paged_prefill when available
-        if use_triton:
-            from fovea.engine.paged import triton_decode, triton_prefill
+    ``batched_prefill``: the backend takes the step's prefill spans as one ``PrefillBatch``
+    (its kernel reads the block tables itself); otherwise each span brings its block ids.
+    """
 
-            self._triton = triton_decode.paged_decode
-            self.prefill = triton_prefill.paged_prefill
+    name: str
+    batched_prefill: bool
 
-    def __call__(self, q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
-        if self._triton is not None:
-            return self._triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+    @abstractmethod
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttnMeta, scale: float, out: torch.Tensor) -> None:
+        """Write the prefill rows of ``q`` (those after the decodes) into ``out``."""
+
+
+class TorchAttention(AttentionBackend):
+    """SDPA per prefill span, a gather-by-block-table decode: any device, transformers' numerics."""
+
+    name, batched_prefill = "torch", False
+
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
         return paged_decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
+        for span in meta.prefills:
+            rows = slice(span.offset, span.offset + span.length)
+            out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
+
+
+class TritonAttention(AttentionBackend):
+    """fovea's Triton paged-decode and paged-prefill kernels (CUDA, checked at start-up)."""
+
+    name, batched_prefill = "triton", True
+
+    def __init__(self) -> None:
+        from fovea.engine.paged import triton_decode, triton_prefill
+
+        self._decode = triton_decode.paged_decode
+        self._prefill = triton_prefill.paged_prefill
+
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+        return self._decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
+        batch, nd = meta.prefill_batch, meta.num_decodes
+        assert batch is not None, "the Triton backend takes the step's prefill spans as one PrefillBatch"
+        self._prefill(q[nd:], k_cache, v_cache, batch.cu_q_lens, batch.q_starts, batch.block_tables, scale,
+                      batch.max_q_len, out=out[nd:])
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention, "triton": TritonAttention}
+
+
+def attention_backend(name: str) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, meta: AttnMeta, scale: float, decode: DecodeAttention) -> torch.Tensor:
+              v_cache: torch.Tensor, meta: AttnMeta, scale: float, backend: AttentionBackend) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] (already written to the cache) -> [T, H, D]."""
     if not meta.prefills:
-        return decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return backend.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-    batch = meta.prefill_batch
-    if batch is not None and decode.prefill is not None:
-        decode.prefill(q[nd:], k_cache, v_cache, batch.cu_q_lens, batch.q_starts, batch.block_tables, scale,
-                       batch.max_q_len, out=out[nd:])
-        return out
-    for span in meta.prefills:
-        rows = slice(span.offset, span.offset + span.length)
-        out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale)
+        out[:nd] = backend.decode(q[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    backend.prefill(q, k, v, k_cache, v_cache, meta, scale, out)
     return out

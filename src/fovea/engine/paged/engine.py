@@ -172,10 +172,20 @@ class PagedEngine:
                 continue
             prompt = request.prompt
             images = sum(1 for t in prompt.input_ids if t == self.loaded.image_token_id)
-            if images != len(prompt.image_hashes) * prompt.tokens_per_image:
+            if images != sum(prompt.image_token_counts):
                 request.emit(ErrorEvent(PlaceholderMismatch(
                     f"request {request.request_id}: {images} image-token positions for "
-                    f"{len(prompt.image_hashes)} image(s) of {prompt.tokens_per_image} tokens", status=500)))
+                    f"{prompt.num_images} image(s) of {prompt.image_token_counts} tokens", status=500)))
+                continue
+            if self.runner.llama.mrope_section is None and prompt.positions is not None:
+                request.emit(ErrorEvent(PlaceholderMismatch(
+                    f"request {request.request_id}: the prompt carries M-RoPE positions but this model's "
+                    "language model uses 1-D positions", status=500)))
+                continue
+            if self.runner.llama.mrope_section is not None and prompt.images and prompt.positions is None:
+                request.emit(ErrorEvent(PlaceholderMismatch(
+                    f"request {request.request_id}: this model needs M-RoPE positions for its images and the "
+                    "prompt carries none (it was not built by this model's codec)", status=500)))
                 continue
             self._next_id += 1
             self.queued_seconds += time.perf_counter() - request.arrival

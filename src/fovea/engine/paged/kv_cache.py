@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass(frozen=True, slots=True)
 class KVShape:
     num_layers: int

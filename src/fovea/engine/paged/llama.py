@@ -1,4 +1,4 @@
-"""The Llama language model run by fovea over the paged KV cache.
+"""The Llama-style language model run by fovea over the paged KV cache (Llama, Qwen2, Qwen2.5-VL's).
 
 The parameters are the loaded transformers model's own tensors (referenced, never
 copied); only the execution is ours: a flat [tokens, hidden] batch in which decodes and
@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from fovea.engine.paged import triton_ops
-from fovea.engine.paged.attention import AttnMeta, DecodeAttention, attention, write_kv
+from fovea.engine.paged.attention import AttentionBackend, AttnMeta, attention, write_kv
 from fovea.engine.paged.kv_cache import KVCache, KVShape
 from fovea.errors import ModelLoadError
+from fovea.models.base import LanguageModelSpec
 
 
 @dataclass(slots=True)
@@ -96,6 +97,8 @@ def inverse_frequencies(config, head_dim: int) -> torch.Tensor:
     """RoPE inverse frequencies in float32 for the supported rope types."""
     params = rope_parameters(config)
     kind = params.get("rope_type") or "default"
+    if kind == "mrope":  # older Qwen-VL configs: default frequencies, split into M-RoPE sections
+        kind = "default"
     base = float(params["rope_theta"])
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ModelLoadError("the paged engine does not support partial_rotary_factor != 1")
@@ -114,8 +117,7 @@ def inverse_frequencies(config, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ModelLoadError(f"the paged engine supports rope_type default, linear and llama3, not {kind!r}; "
-                         "serve this model with the simple engine")
+    raise ModelLoadError(f"the paged engine supports rope_type default, linear, llama3 and mrope, not {kind!r}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,15 +133,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+# Text models with Llama's layer structure (q/k/v/o, gate/up/down, RMSNorm, SiLU, RoPE).
+LLAMA_STYLE = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+
+
+def mrope_cos_sin(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  section_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token [T, D] cos/sin of M-RoPE: dimension d rotates by the position of row
+    ``section_index[d]`` (0 temporal, 1 height, 2 width), as transformers' sectioned M-RoPE."""
+    index = section_index.view(1, 1, -1).expand(1, positions.shape[1], -1)
+    return cos[positions].gather(0, index)[0], sin[positions].gather(0, index)[0]
+
+
 class PagedLlama:
-    def __init__(self, hf_model, max_positions: int, decode: DecodeAttention, fused: bool = False) -> None:
-        text = hf_model.config.text_config
-        if getattr(text, "model_type", None) != "llama":
-            raise ModelLoadError(f"the paged engine runs Llama language models; this one is "
-                                 f"{getattr(text, 'model_type', None)!r}. Use the simple engine.")
+    def __init__(self, spec: LanguageModelSpec, max_positions: int, backend: AttentionBackend | None,
+                 fused: bool = False) -> None:
+        text = spec.config
+        if getattr(text, "model_type", None) not in LLAMA_STYLE:
+            raise ModelLoadError(f"the paged engine runs Llama-style language models ({', '.join(LLAMA_STYLE)}); "
+                                 f"this one is {getattr(text, 'model_type', None)!r}")
         if getattr(text, "hidden_act", "silu") != "silu":
             raise ModelLoadError(f"the paged engine needs hidden_act 'silu', not {text.hidden_act!r}")
-        lm = hf_model.model.language_model
+        if getattr(text, "use_sliding_window", False):
+            raise ModelLoadError("the paged engine does not run sliding-window attention (use_sliding_window: true)")
+        lm = spec.language_model
         self.num_heads = text.num_attention_heads
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.num_heads
@@ -147,8 +164,7 @@ class PagedLlama:
         self.scale = self.head_dim ** -0.5  # as transformers: head_dim ** -0.5
         self.embed = lm.embed_tokens.weight
         self.final_norm = lm.norm.weight
-        tied = getattr(text, "tie_word_embeddings", False) or getattr(hf_model.config, "tie_word_embeddings", False)
-        self.lm_head = self.embed if tied else hf_model.lm_head.weight
+        self.lm_head = self.embed if spec.lm_head is None else spec.lm_head.weight
         self.fused = fused
         self.layers = [self._layer(layer, fused) for layer in lm.layers]
         self.dtype, self.device = self.embed.dtype, self.embed.device
@@ -157,7 +173,24 @@ class PagedLlama:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(self.device, self.dtype)  # [positions, head_dim]
         self.sin = emb.sin().to(self.device, self.dtype)
-        self.decode = decode
+        self.backend = backend
+        self.mrope_section = spec.mrope_section
+        self.section_index: torch.Tensor | None = None
+        if spec.mrope_section is not None:
+            if sum(spec.mrope_section) != self.head_dim // 2:
+                raise ModelLoadError(f"mrope_section {spec.mrope_section} does not cover the head's "
+                                     f"{self.head_dim // 2} rotary frequencies")
+            half = [row for row, width in enumerate(spec.mrope_section) for _ in range(width)]
+            self.section_index = torch.tensor(half + half, dtype=torch.long, device=self.device)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos table, sin table, index per token): 1-D positions index the model's tables;
+        M-RoPE's [3, T] positions get per-token tables indexed by 0..T-1."""
+        if positions.dim() == 1:
+            return self.cos, self.sin, positions
+        assert self.section_index is not None, "M-RoPE positions for a 1-D RoPE model"
+        cos, sin = mrope_cos_sin(self.cos, self.sin, positions, self.section_index)
+        return cos, sin, torch.arange(positions.shape[1], device=positions.device)
 
     @staticmethod
     def _layer(layer, fused: bool) -> LayerWeights:
@@ -190,8 +223,9 @@ class PagedLlama:
         if self.fused:
             return self._forward_fused(hidden, positions, meta, cache, logit_rows)
         tokens = hidden.shape[0]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]: broadcasts over heads
-        sin = self.sin[positions].unsqueeze(1)
+        cos_table, sin_table, index = self.rope_tables(positions)
+        cos = cos_table[index].unsqueeze(1)  # [T, 1, D]: broadcasts over heads
+        sin = sin_table[index].unsqueeze(1)
         for index, w in enumerate(self.layers):
             x = rms_norm(hidden, w.in_norm, self.eps)
             q = F.linear(x, w.q, w.q_bias).view(tokens, self.num_heads, self.head_dim)
@@ -201,7 +235,7 @@ class PagedLlama:
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = cache.k[index], cache.v[index]
             write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
-            out = attention(q, k, v, k_cache, v_cache, meta, self.scale, self.decode)
+            out = attention(q, k, v, k_cache, v_cache, meta, self.scale, self.backend)
             hidden = hidden + F.linear(out.reshape(tokens, -1), w.o, w.o_bias)
             x = rms_norm(hidden, w.post_norm, self.eps)
             gated = F.silu(F.linear(x, w.gate, w.gate_bias)) * F.linear(x, w.up, w.up_bias)
@@ -218,16 +252,17 @@ class PagedLlama:
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
         linear = triton_ops.linear
+        cos_table, sin_table, positions = self.rope_tables(positions)
         x = triton_ops.add_rms_norm(hidden, self.layers[0].in_norm, self.eps)
         for index, w in enumerate(self.layers):
             qkv = linear(x, w.qkv, w.qkv_bias)
             k_cache, v_cache = cache.k[index], cache.v[index]
-            triton_ops.rope_write_kv(qkv, positions, self.cos, self.sin, k_cache, v_cache, meta.slot_mapping,
+            triton_ops.rope_write_kv(qkv, positions, cos_table, sin_table, k_cache, v_cache, meta.slot_mapping,
                                      heads, kv_heads, dim)
             q = qkv[:, :q_end].view(tokens, heads, dim)
             k = qkv[:, q_end:k_end].view(tokens, kv_heads, dim)
             v = qkv[:, k_end:].view(tokens, kv_heads, dim)
-            out = attention(q, k, v, k_cache, v_cache, meta, self.scale, self.decode)
+            out = attention(q, k, v, k_cache, v_cache, meta, self.scale, self.backend)
             o = linear(out.reshape(tokens, -1), w.o, w.o_bias)
             x = triton_ops.add_rms_norm(o, w.post_norm, self.eps, residual=hidden)
             down = linear(triton_ops.silu_mul(linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)

@@ -32,7 +32,7 @@ class MemoryPlanError(FoveaError):
     status, code, type = 500, "insufficient_memory", "server_error"
 
 
-def gib(n: int | float) -> str:
+def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 

@@ -45,6 +45,7 @@ from fovea.engine.paged.memory_plan import (
     runtime_line,
 )
 from fovea.engine.paged.memory_profile import CudaMeter, measure, tensor_bytes
+from fovea.models.base import reference_position_ids
 
 if TYPE_CHECKING:
     from fovea.engine.paged.model_runner import ModelRunner
@@ -217,8 +218,11 @@ class Planner:
     def _reference_forward(self) -> torch.Tensor:
         model = self.runner.loaded.model
         hidden = self.runner.llama.embed.shape[1]
-        embeds = torch.randn((1, self.config.max_model_len, hidden), dtype=self.runner.llama.dtype, device=self.device)
-        return model(inputs_embeds=embeds, use_cache=False, logits_to_keep=9).logits
+        length = self.config.max_model_len
+        embeds = torch.randn((1, length, hidden), dtype=self.runner.llama.dtype, device=self.device)
+        positions = reference_position_ids(None, length, self.device, self.runner.loaded.adapter.uses_mrope())
+        extra = {} if positions is None else {"position_ids": positions}
+        return model(inputs_embeds=embeds, use_cache=False, logits_to_keep=9, **extra).logits
 
     def _capture(self, probe: KVCache):
         graphs = self.runner.build_graphs(cache=probe)

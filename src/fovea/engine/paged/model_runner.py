@@ -16,22 +16,24 @@ from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.paged import triton_util
 from fovea.engine.paged.attention import (
     AttnMeta,
-    DecodeAttention,
     PrefillBatch,
     PrefillSpan,
+    attention_backend,
 )
 from fovea.engine.paged.config import PagedEngineConfig
 from fovea.engine.paged.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
 from fovea.engine.paged.embeddings import PromptEmbedder
 from fovea.engine.paged.kernel_selfcheck import triton_self_check
 from fovea.engine.paged.kv_cache import KVCache, KVPlan
-from fovea.engine.paged.memory_planner import Planner
 from fovea.engine.paged.llama import PagedLlama
+from fovea.engine.paged.memory_planner import Planner
 from fovea.engine.paged.scheduler import Chunk, StepPlan
+from fovea.engine.paged.sequence import Sequence
 from fovea.engine.paged.staging import resolve_pending, to_device
 from fovea.engine.vision_fused import choose_vision_encoder
 from fovea.engine.vision_graphs import try_graphed_vision
 from fovea.model.loader import LoadedModel
+from fovea.models.llava import stacked
 
 log = logging.getLogger("fovea.engine.paged")
 
@@ -42,6 +44,18 @@ def decode_forward(llama: PagedLlama, cache: KVCache, ids: torch.Tensor, positio
     meta = AttnMeta(slot_mapping=slots, num_decodes=ids.shape[0], block_tables=block_tables,
                     context_lens=context_lens)
     return llama.forward(llama.embed_ids(ids), positions, meta, cache)
+
+
+def chunk_positions(seq: Sequence, start: int, end: int) -> list[list[int]]:
+    """The three M-RoPE position rows of tokens [start, end) of ``seq``: the prompt's own rows,
+    then (tokens generated and recomputed after a preemption) index + delta on every row."""
+    delta = seq.position_delta
+    if seq.mrope is None:
+        flat = list(range(start + delta, end + delta))
+        return [flat, flat, flat]
+    inside = max(start, min(end, seq.prompt_len))
+    tail = list(range(inside + delta, end + delta))
+    return [row[start:inside] + tail for row in seq.mrope]
 
 
 class ModelRunner:
@@ -60,20 +74,30 @@ class ModelRunner:
         elif config.triton_decode:
             log.warning("triton is not importable: paged decode uses the torch path")
         self.use_triton = use_triton
-        self.decode_attention = DecodeAttention(use_triton)
+        self.attention = attention_backend("triton" if use_triton else "torch")
         fused = use_triton and config.fused_kernels is not False
-        self.llama = PagedLlama(loaded.model, config.max_model_len, self.decode_attention, fused=fused)
+        self.llama = PagedLlama(loaded.adapter.lm_spec(loaded.model), config.max_model_len, self.attention,
+                                fused=fused)
         log.info("paged engine: %s decode attention, %s forward", "Triton" if use_triton else "torch",
                  "fused (Triton kernels)" if fused else "torch-op")
+        # Dynamic-resolution towers are batched by tokens too: their activation peak grows with
+        # the patches of a call, not its image count.
+        self.fixed_image_shape = loaded.adapter.fixed_image_shape(loaded.model.config)
         self.embedder = PromptEmbedder(loaded, self.llama, encoder_cache, config.vision_batch_size,
-                                       on_vision_seconds)
+                                       on_vision_seconds,
+                                       max_batch_tokens=None if self.fixed_image_shape else config.max_num_batched_tokens)
         # Prompt tokens whose input embeddings may be held at once (Scheduler.max_prefill_tokens):
         # a full step of prefill plus one longest prompt started in an earlier step.
         self.max_prefill_tokens = config.max_num_batched_tokens + config.max_model_len
         # The vision stage: fused kernels where they pass their start-up check (chosen before
         # the memory profile, so the profile measures the path that runs).
-        vision_encode, vision_label = choose_vision_encoder(loaded, enabled=fused and bool(config.fused_vision))
-        self.embedder.images.encode = vision_encode
+        self.vision_batched: Callable[[torch.Tensor], torch.Tensor] | None = None  # fixed-size towers: [n, C, H, W]
+        if loaded.adapter.family.name == "llava":
+            self.vision_batched, vision_label = choose_vision_encoder(
+                loaded, enabled=fused and bool(config.fused_vision))
+            self.embedder.images.encode = stacked(self.vision_batched)
+        else:
+            vision_label = "transformers' modules (the fused vision kernels run CLIP-style towers)"
         log.info("vision stage: %s", vision_label)
         shape = self.llama.kv_shape(self.block_size)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
@@ -103,9 +127,9 @@ class ModelRunner:
 
     def capture_vision_graphs(self) -> None:
         """Graphs of the vision stage for batches up to vision_batch_size (CUDA, fixed image size)."""
-        if self.config.cuda_graphs and getattr(self.loaded.model.config.vision_config, "image_size", None):
+        if self.config.cuda_graphs and self.fixed_image_shape and self.vision_batched is not None:
             self.embedder.images.graphs = try_graphed_vision(self.loaded, self.config.vision_batch_size,
-                                                             encode=self.embedder.images.encode)
+                                                             encode=self.vision_batched)
 
     # ---- start-up profile -------------------------------------------------------------
     def _dummy_spans(self, total: int | None = None) -> list[tuple[int, int]]:
@@ -136,7 +160,7 @@ class ModelRunner:
         n = len(slots)
         hidden = torch.randn((n, self.llama.embed.shape[1]), dtype=self.llama.dtype, device=device)
         meta = AttnMeta(slot_mapping=torch.tensor(slots, device=device), prefills=spans)
-        if self.decode_attention.prefill is not None:
+        if self.attention.batched_prefill:
             meta.prefill_batch = PrefillBatch.build(spans, tables, device)
         rows = min(n, cfg.max_num_seqs if rows is None else rows)
         logit_rows = torch.arange(n - rows, n, device=device)
@@ -145,16 +169,17 @@ class ModelRunner:
     @torch.inference_mode()
     def dummy_vision_batch(self) -> torch.Tensor | None:
         """One full vision batch through the path serving uses (graphs where captured)."""
-        vision = self.loaded.model.config.vision_config
-        size = getattr(vision, "image_size", None)
-        if not size:
-            return None
-        pixels = torch.randn((self.config.vision_batch_size, getattr(vision, "num_channels", 3), size, size),
-                             dtype=self.loaded.dtype, device=self.device)
         images = self.embedder.images
+        if self.fixed_image_shape is None:
+            # The largest images the processor produces, as many as one vision call takes.
+            largest = self.loaded.adapter.dummy_images(self.loaded.codec, self.config.vision_batch_size)
+            batch = images.batches(largest)[0]
+            return torch.cat(images.run(images.to_device(batch)))
+        pixels = torch.randn((self.config.vision_batch_size, *self.fixed_image_shape),
+                             dtype=self.loaded.dtype, device=self.device)
         if images.graphs is not None and images.graphs.can_run(pixels):
             return images.graphs(pixels)
-        return images.encode(pixels)
+        return self.vision_batched(pixels)
 
     # ---- steps ------------------------------------------------------------------------
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
@@ -175,7 +200,7 @@ class ModelRunner:
         for c in chunks:
             row = c.seq.block_table[:width]
             tables.append(row + [row[0]] * (width - len(row)))  # padding is never read
-        return DecodeBatch([c.seq.token_ids[c.start] for c in chunks], [c.start for c in chunks],
+        return DecodeBatch([c.seq.token_ids[c.start] for c in chunks], [c.start + c.seq.position_delta for c in chunks],
                            [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in chunks],
                            tables, [c.start + 1 for c in chunks])
 
@@ -191,6 +216,8 @@ class ModelRunner:
             return self.graphs.run(batch, previous)
         ids = list(batch.token_ids) if batch else []
         positions = list(batch.positions) if batch else []
+        mrope = any(c.seq.mrope is not None and c.start < c.seq.prompt_len for c in prefills)
+        rows3: list[list[int]] = [list(positions), list(positions), list(positions)] if mrope else []
         slots = list(batch.slots) if batch else []
         rows = list(range(len(ids)))
         spans: list[PrefillSpan] = []
@@ -199,12 +226,16 @@ class ModelRunner:
         for c in prefills:
             seq, offset = c.seq, len(ids)
             ids.extend(seq.token_ids[c.start:c.end])
-            positions.extend(range(c.start, c.end))
+            if mrope:
+                for row, out in zip(chunk_positions(seq, c.start, c.end), rows3):
+                    out.extend(row)
+            else:
+                positions.extend(range(c.start + seq.position_delta, c.end + seq.position_delta))
             slots.extend(self._slots(seq.block_table, c.start, c.end))
             used = -(-c.end // self.block_size)
             tables.append(seq.block_table[:used])
             # The per-span block ids feed the torch path only; the Triton kernel reads ``tables``.
-            block_ids = None if self.decode_attention.prefill is not None else torch.tensor(
+            block_ids = None if self.attention.batched_prefill else torch.tensor(
                 seq.block_table[:used], dtype=torch.long, device=device)
             spans.append(PrefillSpan(offset, c.length, c.start, block_ids))
             if c.start < seq.prompt_len:
@@ -212,15 +243,19 @@ class ModelRunner:
                 overrides.append((offset, seq.prompt_embeds[c.start:min(c.end, seq.prompt_len)]))
             if c.sample:
                 rows.append(offset + c.length - 1)
+        if mrope:
+            positions = rows3[0] + rows3[1] + rows3[2]  # staged flat, viewed [3, T] on the device
         arrays: list[tuple[list, torch.dtype]] = [(ids, torch.long), (positions, torch.long), (slots, torch.long),
                                                   (rows, torch.long)]
         if batch is not None:
             arrays += [(batch.block_tables, torch.int32), (batch.context_lens, torch.int32)]
-        use_prefill_kernel = bool(spans) and self.decode_attention.prefill is not None
+        use_prefill_kernel = bool(spans) and self.attention.batched_prefill
         if use_prefill_kernel:
             arrays += PrefillBatch.arrays(spans, tables)
         staged = to_device(device, arrays)
         ids_t, pos_t, slots_t, rows_t = staged[:4]
+        if mrope:
+            pos_t = pos_t.view(3, -1)
         hidden = self.llama.embed_ids(resolve_pending(ids_t, previous))
         for offset, embeds in overrides:
             hidden[offset:offset + embeds.shape[0]] = embeds

@@ -19,16 +19,17 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-def image_index_per_position(input_ids: list[int], image_token_id: int, tokens_per_image: int) -> list[int]:
+def image_index_per_position(input_ids: list[int], image_token_id: int, token_counts: list[int]) -> list[int]:
     """For each prompt position, which image fills it (-1: a text token).
 
-    Image embeddings are scattered in order into the image-token positions (as in
-    hf_runner), so the k-th image token belongs to image k // tokens_per_image.
+    Image rows are scattered in order into the image-token positions, so the first
+    ``token_counts[0]`` image tokens belong to image 0, the next ``token_counts[1]`` to image 1...
     """
+    owners = [index for index, count in enumerate(token_counts) for _ in range(count)]
     out, seen = [], 0
     for token in input_ids:
-        if token == image_token_id and tokens_per_image > 0:
-            out.append(seen // tokens_per_image)
+        if token == image_token_id and seen < len(owners):
+            out.append(owners[seen])
             seen += 1
         else:
             out.append(-1)
@@ -50,7 +51,10 @@ class Sequence:
         self.request = request
         self.token_ids: list[int] = list(prompt.input_ids)
         self.prompt_len = len(self.token_ids)
-        self.image_of_pos = image_index_per_position(self.token_ids, image_token_id, prompt.tokens_per_image)
+        self.image_of_pos = image_index_per_position(self.token_ids, image_token_id, prompt.image_token_counts)
+        # M-RoPE: the prompt's three position rows (None: 1-D), and the shift of every position past it.
+        self.mrope = prompt.positions
+        self.position_delta = prompt.position_delta
         self.num_computed = 0
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of leading full blocks (see block_manager)

@@ -1,0 +1,252 @@
+"""The model adapter: everything that differs between VLM families, behind one interface.
+
+The engine, scheduler, KV cache, graphs, caches, guard and server are written against this
+and nothing else. An adapter owns:
+
+- loading (the language part and the vision part, so an encode-only process can load the
+  vision weights alone);
+- the processor recipe the contract checks;
+- the prompt codec: how a rendered chat and its images become token ids, with each image's
+  placeholder expanded into that image's own token count (``ImageInput.num_tokens``);
+- the vision forward over a batch of images;
+- position ids: 1-D, or M-RoPE's three rows;
+- the language model's execution on the paged cache (``engine.paged.llama.PagedLlama``,
+  configured by ``lm_spec``).
+
+Adding a family is a file in ``fovea/models`` and a line in the registry (``__init__``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from fovea.errors import FoveaError
+
+
+class PlaceholderMismatch(FoveaError):
+    status, code = 400, "image_placeholder_mismatch"
+
+
+@dataclass(slots=True)
+class ImageInput:
+    """One preprocessed image as the vision stage takes it, on the host."""
+
+    pixels: torch.Tensor  # LLaVA: [3, H, W]; Qwen2.5-VL: [patches, C * T * P * P]; in the model dtype
+    num_tokens: int  # image-token positions it fills in the prompt
+    hash: str  # content hash of what the model sees (the encoder- and prefix-cache key)
+    grid: tuple[int, int, int] | None = None  # (t, h, w) in patches, for dynamic-resolution towers
+
+
+@dataclass
+class EncodedPrompt:
+    input_ids: list[int]
+    # Held on the host: a request waiting in the queue holds no device memory; the engine moves
+    # a batch of images to the device when it encodes them.
+    images: list[ImageInput]
+    prompt_text: str
+    # M-RoPE: the prompt's [3][len] (temporal, height, width) positions; None where every
+    # position is its index. Past the prompt, token i has position i + position_delta.
+    positions: list[list[int]] | None = None
+    position_delta: int = 0
+
+    @property
+    def num_images(self) -> int:
+        return len(self.images)
+
+    @property
+    def image_hashes(self) -> list[str]:
+        return [image.hash for image in self.images]
+
+    @property
+    def image_token_counts(self) -> list[int]:
+        return [image.num_tokens for image in self.images]
+
+
+def pixel_hash(pixels: torch.Tensor, grid: Sequence[int] | None = None) -> str:
+    """Content hash of one preprocessed image as the model will see it: its dtype, shape, grid
+    and bytes, hashed in place (a bfloat16 image is half the bytes of float32)."""
+    data = pixels.detach().to("cpu").contiguous()
+    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}{tuple(grid) if grid else ''}".encode())
+    digest.update(data.view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def reference_position_ids(prompt: EncodedPrompt | None, length: int, device: torch.device,
+                           mrope: bool) -> torch.Tensor | None:
+    """transformers' ``position_ids`` for the prompt (None: no prompt, plain text) followed by
+    more tokens, ``length`` in all: [3, 1, length] for an M-RoPE model, None (the model's own
+    1-D count) otherwise. M-RoPE models always get them explicitly: without input_ids,
+    transformers derives them from the rope deltas its last call left behind (of another batch)."""
+    if not mrope:
+        return None
+    rows = prompt.positions if prompt is not None and prompt.positions is not None else [[], [], []]
+    delta = prompt.position_delta if prompt is not None else 0
+    full = [row + list(range(len(row) + delta, length + delta)) for row in rows]
+    return torch.tensor(full, dtype=torch.long, device=device).unsqueeze(1)
+
+
+def tokenize_rendered(tokenizer: Any, text: str) -> dict[str, bool]:
+    """The tokenizer arguments for a rendered chat: no second BOS when the template wrote one
+    (as transformers' ``apply_chat_template(tokenize=True)`` and vLLM tokenize chats)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return {"add_special_tokens": not (bos and text.startswith(bos))}
+
+
+def check_placeholders(text: str, image_token: str, images: int, template_rendered: bool) -> None:
+    placeholders = text.count(image_token)
+    if placeholders != images:
+        where = "the chat template rendered" if template_rendered else "the prompt contains"
+        raise PlaceholderMismatch(
+            f"{where} {placeholders} image placeholder(s) ({image_token!r}) for "
+            f"{images} image(s); every image needs exactly one placeholder."
+            + ("" if not template_rendered else " The model's chat template is dropping images."),
+            status=400 if not template_rendered else 500,
+        )
+
+
+class PromptCodec(ABC):
+    """Rendered chat text + decoded images -> an ``EncodedPrompt``. Holds no weights and is
+    picklable: preprocessing worker processes each get a copy."""
+
+    processor: Any  # has apply_chat_template (the model's own processor, or its parts)
+    image_token: str
+    image_token_id: int
+    dtype: torch.dtype
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """The model's own chat template over transformers-style messages, ready to generate."""
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    @abstractmethod
+    def reference_ids(self, messages: list[dict[str, Any]], images: list[Image.Image]) -> list[int]:
+        """transformers' own token ids for this chat: ``apply_chat_template(..., tokenize=True)``
+        with the model's processor, image placeholders expanded as transformers expands them.
+        The contract checks ``encode(render(messages), images)`` against it."""
+
+    @property
+    @abstractmethod
+    def image_processor(self) -> Any: ...
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any: ...
+
+    @abstractmethod
+    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True) -> EncodedPrompt: ...
+
+    def target_short_side(self) -> int | None:
+        """The short side images may be reduced to before the processor (twice this is kept),
+        or None when the processor's output size does not bound it."""
+        return None
+
+
+@dataclass(frozen=True)
+class LanguageModelSpec:
+    """What the paged engine's forward needs to know beyond the Llama-style weights."""
+
+    language_model: torch.nn.Module  # has embed_tokens, layers, norm
+    lm_head: torch.nn.Module | None  # None: tied to embed_tokens
+    config: Any  # the text config
+    mrope_section: list[int] | None = None  # M-RoPE's frequencies per (t, h, w); None: 1-D RoPE
+
+
+@dataclass(frozen=True)
+class WidthReport:
+    vision_width: int  # what the vision tower hands the projector/merger
+    projector_in: int
+    projector_out: int
+    lm_hidden: int
+    explain_in: str  # where vision_width comes from, for the violation's text
+    fix_in: str
+
+
+@dataclass
+class Family:
+    """An adapter's static description, shown by ``fovea doctor`` and the registry."""
+
+    name: str
+    model_types: tuple[str, ...]
+    notes: list[str] = field(default_factory=list)
+
+
+class ModelAdapter(ABC):
+    """One VLM family. Instances are stateless beyond the loaded config; one per model."""
+
+    family: Family
+    # The processor fields that define what the vision tower sees (the contract's recipe).
+    recipe_fields: tuple[str, ...]
+    normalisation_fields: frozenset[str]
+
+    # ---- loading ------------------------------------------------------------------------
+    @abstractmethod
+    def model_class(self) -> type: ...
+
+    @abstractmethod
+    def load_processor(self, path: Any) -> Any:
+        """The model's processor parts (whatever ``codec`` needs), from local files only."""
+
+    @abstractmethod
+    def codec(self, processor: Any, image_token_id: int, dtype: torch.dtype) -> PromptCodec: ...
+
+    @abstractmethod
+    def image_token(self, processor: Any, config: Any) -> tuple[str, int]:
+        """(the placeholder text, the id the model expects)."""
+
+    @abstractmethod
+    def vision_module_names(self) -> tuple[str, ...]:
+        """Attribute paths (from the top model) of the vision tower and projector."""
+
+    @abstractmethod
+    def build_vision_modules(self, config: Any) -> dict[str, torch.nn.Module]:
+        """{attribute path: module} of the vision part alone, freshly built from the model's
+        config (an encode-only process loads its weights into these; see model.vision_part)."""
+
+    def vision_modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        out = []
+        for path in self.vision_module_names():
+            module = model
+            for part in path.split("."):
+                module = getattr(module, part)
+            out.append(module)
+        return out
+
+    # ---- vision -------------------------------------------------------------------------
+    @abstractmethod
+    def vision_forward(self, loaded: Any) -> Callable[[list[ImageInput]], list[torch.Tensor]]:
+        """The eager vision stage: images (pixels on the model's device) -> each image's
+        [num_tokens, lm_hidden] rows in the model dtype."""
+
+    def fixed_image_shape(self, config: Any) -> tuple[int, ...] | None:
+        """The one pixel shape every image has (towers of a fixed resolution), else None."""
+        return None
+
+    @abstractmethod
+    def dummy_images(self, codec: PromptCodec, count: int, largest: bool = True) -> list[ImageInput]:
+        """``count`` random images of the largest size the processor produces (the memory profile)."""
+
+    @abstractmethod
+    def widths(self, model: torch.nn.Module) -> WidthReport: ...
+
+    # ---- positions and the language model ----------------------------------------------
+    def uses_mrope(self) -> bool:
+        return False
+
+    @abstractmethod
+    def lm_spec(self, model: torch.nn.Module) -> LanguageModelSpec: ...
+
+    def reference_positions(self, model: torch.nn.Module, prompt: EncodedPrompt,
+                            image_token_id: int) -> tuple[list[list[int]], int] | None:
+        """transformers' own position rows and delta for ``prompt`` (M-RoPE families), or None."""
+        return None
+
+    def reference_inputs(self, prompt: EncodedPrompt, device: torch.device, image_token_id: int) -> dict[str, Any]:
+        """transformers' own forward/generate inputs for ``prompt`` (the reference that tests,
+        ``fovea doctor`` and grounding compare against), without input_ids."""
+        return {}

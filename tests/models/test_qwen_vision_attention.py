@@ -1,0 +1,43 @@
+"""fovea's grouped window attention in Qwen2.5-VL's tower against transformers' own, per chunk."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from test_qwen2_5_vl import noise, qwen  # noqa: F401 - the module's fixture
+
+from fovea.models.qwen_vision_attention import chunk_groups, grouped, grouped_attention
+
+
+def test_groups_cover_every_token_once():
+    groups = chunk_groups([0, 64, 128, 150, 214, 214, 300], torch.device("cpu"))
+    assert sorted(length for length, _ in groups) == [22, 64, 86]
+    covered = torch.cat([index for _, index in groups]).sort().values
+    assert covered.tolist() == list(range(300))
+
+
+def test_grouped_attention_equals_one_call_per_chunk():
+    torch.manual_seed(0)
+    bounds = [0, 16, 32, 40, 56, 61]
+    q, k, v = (torch.randn(3, 61, 8) for _ in range(3))
+    got = grouped_attention(q, k, v, bounds, 0.35)
+    for start, end in itertools.pairwise(bounds):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[:, start:end][None], k[:, start:end][None], v[:, start:end][None], scale=0.35)[0]
+        assert torch.allclose(got[start:end], want.transpose(0, 1), atol=1e-6)
+
+
+def test_the_tower_gives_transformers_rows_and_is_restored_after(qwen):  # noqa: F811
+    prompt = qwen.codec.encode(qwen.codec.render([{"role": "user", "content": [
+        {"type": "image"}, {"type": "image"}, {"type": "text", "text": "you"}]}]), [noise(300, 200, 1), noise(90, 64, 2)])
+    visual = qwen.model.model.visual
+    pixels = torch.cat([image.pixels for image in prompt.images])
+    grid = torch.tensor([image.grid for image in prompt.images])
+    with torch.inference_mode():
+        theirs = visual(pixels, grid_thw=grid).pooler_output
+        with grouped(visual) as active:
+            ours = visual(pixels, grid_thw=grid).pooler_output
+        again = visual(pixels, grid_thw=grid).pooler_output
+    assert active and torch.allclose(ours, theirs, atol=1e-5)
+    assert "forward" not in visual.blocks[0].attn.__dict__ and torch.equal(again, theirs)
