@@ -1,0 +1,1 @@
+"""Encoder disaggregation: encode workers apart from prefill/decode (issue 12, in progress)."""
