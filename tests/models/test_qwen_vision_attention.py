@@ -41,3 +41,12 @@ def test_the_tower_gives_transformers_rows_and_is_restored_after(qwen):  # noqa:
         again = visual(pixels, grid_thw=grid).pooler_output
     assert active and torch.allclose(ours, theirs, atol=1e-5)
     assert "forward" not in visual.blocks[0].attn.__dict__ and torch.equal(again, theirs)
+
+
+def test_nested_use_keeps_the_swap_until_the_outer_one_ends(qwen):  # noqa: F811
+    visual = qwen.model.model.visual
+    with grouped(visual):
+        with grouped(visual):
+            pass
+        assert "forward" in visual.blocks[0].attn.__dict__  # the outer call is still running grouped
+    assert "forward" not in visual.blocks[0].attn.__dict__

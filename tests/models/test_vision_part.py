@@ -47,7 +47,7 @@ def test_a_checkpoint_without_its_vision_weights_is_refused(qwen, tmp_path):  # 
 
 def test_no_language_model_tensor_is_read(qwen, monkeypatch):  # noqa: F811
     """What an encode worker needs of the checkpoint: the tower's tensors, nothing else."""
-    import fovea.model.vision_part as vision_part
+    from fovea.model import vision_part
 
     read: list[str] = []
     real_open = vision_part.safe_open

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import types
 from collections import defaultdict
 from collections.abc import Iterator
@@ -73,6 +74,7 @@ def _forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
 
 
 MAX_LAYOUTS = 256  # chunk layouts remembered per tower (a layout per batch shape)
+_LOCK = threading.Lock()
 
 
 def _supported(visual: torch.nn.Module) -> bool:
@@ -90,14 +92,21 @@ def grouped(visual: torch.nn.Module) -> Iterator[bool]:
     if not _supported(visual):
         yield False
         return
-    layouts = visual.__dict__.setdefault("_fovea_layouts", {})
-    if len(layouts) > MAX_LAYOUTS:
-        layouts.clear()
-    for block in visual.blocks:
-        block.attn._fovea_groups = layouts
-        block.attn.forward = types.MethodType(_forward, block.attn)
+    with _LOCK:  # the engine's thread and a grounding request may encode at once
+        layouts = visual.__dict__.setdefault("_fovea_layouts", {})
+        if len(layouts) > MAX_LAYOUTS:
+            layouts.clear()
+        depth = visual.__dict__.get("_fovea_grouped_depth", 0)
+        if depth == 0:
+            for block in visual.blocks:
+                block.attn._fovea_groups = layouts
+                block.attn.forward = types.MethodType(_forward, block.attn)
+        visual.__dict__["_fovea_grouped_depth"] = depth + 1
     try:
         yield True
     finally:
-        for block in visual.blocks:
-            del block.attn.forward
+        with _LOCK:
+            visual.__dict__["_fovea_grouped_depth"] -= 1
+            if visual.__dict__["_fovea_grouped_depth"] == 0:
+                for block in visual.blocks:
+                    block.attn.__dict__.pop("forward", None)
