@@ -115,10 +115,19 @@ class PromptCodec(ABC):
     """Rendered chat text + decoded images -> an ``EncodedPrompt``. Holds no weights and is
     picklable: preprocessing worker processes each get a copy."""
 
-    processor: Any  # has apply_chat_template (the model's own processor, or its parts)
-    image_token: str
-    image_token_id: int
-    dtype: torch.dtype
+    def __init__(self, processor: Any, image_token: str, image_token_id: int, dtype: torch.dtype) -> None:
+        self.processor = processor  # has apply_chat_template, tokenizer, image_processor
+        self.image_token = image_token
+        self.image_token_id = image_token_id
+        self.dtype = dtype
+
+    @property
+    def image_processor(self) -> Any:
+        return self.processor.image_processor
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.processor.tokenizer
 
     def render(self, messages: list[dict[str, Any]]) -> str:
         """The model's own chat template over transformers-style messages, ready to generate."""
@@ -129,14 +138,6 @@ class PromptCodec(ABC):
         """transformers' own token ids for this chat: ``apply_chat_template(..., tokenize=True)``
         with the model's processor, image placeholders expanded as transformers expands them.
         The contract checks ``encode(render(messages), images)`` against it."""
-
-    @property
-    @abstractmethod
-    def image_processor(self) -> Any: ...
-
-    @property
-    @abstractmethod
-    def tokenizer(self) -> Any: ...
 
     @abstractmethod
     def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True) -> EncodedPrompt: ...

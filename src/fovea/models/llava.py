@@ -49,20 +49,6 @@ def short_side_of(image_processor: Any) -> int | None:
 
 
 class LlavaCodec(PromptCodec):
-    def __init__(self, processor: Any, image_token: str, image_token_id: int, dtype: torch.dtype) -> None:
-        self.processor = processor
-        self.image_token = image_token
-        self.image_token_id = image_token_id
-        self.dtype = dtype
-
-    @property
-    def image_processor(self) -> Any:
-        return self.processor.image_processor
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.processor.tokenizer
-
     def target_short_side(self) -> int | None:
         return short_side_of(self.image_processor)
 

@@ -108,19 +108,8 @@ def mrope_positions(input_ids: list[int], image_token_id: int, grids: list[tuple
 
 class QwenCodec(PromptCodec):
     def __init__(self, processor: QwenProcessor, image_token: str, image_token_id: int, dtype: torch.dtype) -> None:
-        self.processor = processor
-        self.image_token = image_token
-        self.image_token_id = image_token_id
-        self.dtype = dtype
+        super().__init__(processor, image_token, image_token_id, dtype)
         self.merge = int(getattr(processor.image_processor, "merge_size", 2))
-
-    @property
-    def image_processor(self) -> Any:
-        return self.processor.image_processor
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.processor.tokenizer
 
     def target_short_side(self) -> int | None:
         # The processor keeps the aspect ratio within max_pixels: its short side is at most
