@@ -21,6 +21,11 @@ class ServerSettings:
     dtype: str = "auto"
     served_model_name: str | None = None
     engine: str = "paged"  # the one engine: continuous batching over a paged KV cache
+    # "agg": the vision stage in this process; "e_pd": in encode_workers processes of their
+    # own (fovea.disagg: vision weights only, verified hand-off), this one prefills and decodes.
+    topology: str = "agg"
+    encode_workers: int = 1
+    encode_timeout_s: float = 60.0  # a worker that holds a batch longer is restarted
     max_batch_size: int | None = None  # sequences decoded together; None: 256 on a GPU, 16 on CPU
     # Tokens one paged-engine step may compute (prefill chunks + decodes); None: the engine's
     # default (8192 on CUDA, 512 on CPU). Larger: faster bursts, longer gaps between tokens.
@@ -56,6 +61,12 @@ class ServerSettings:
             raise ValueError("--engine simple was removed: fovea has one engine (paged), and transformers' own "
                              "forward is kept only as the reference tests and `fovea doctor` compare against; "
                              "drop --engine")
+        if self.topology not in ("agg", "e_pd"):
+            raise ValueError(f"--topology must be agg or e_pd, not {self.topology!r}")
+        if self.encode_workers < 1:
+            raise ValueError("--encode-workers must be at least 1")
+        if self.encode_timeout_s <= 0:
+            raise ValueError("--encode-timeout must be a positive number of seconds")
         if self.engine != "paged":
             raise ValueError(f"--engine must be 'paged', not {self.engine!r}")
         if self.max_batch_size is not None and self.max_batch_size < 1:

@@ -93,25 +93,40 @@ def seal(rows: torch.Tensor, *, request_id: str, image_hash: str, model_id: str,
     return header, payload
 
 
+def pack(meta: dict, payload: bytes) -> bytes:
+    """A frame: magic, the two lengths, a JSON header, the raw bytes."""
+    head = json.dumps(meta, separators=(",", ":")).encode()
+    return MAGIC + struct.pack("<II", len(head), len(payload)) + head + payload
+
+
+def unpack(frame: bytes) -> tuple[dict, bytes]:
+    if len(frame) < 12 or frame[:4] != MAGIC:
+        raise HandoffMismatch("frame", "not an embedding frame (bad magic or too short)")
+    head_len, payload_len = struct.unpack("<II", frame[4:12])
+    if len(frame) != 12 + head_len + payload_len:
+        raise HandoffMismatch("frame", f"frame of {len(frame)} bytes, its lengths say {12 + head_len + payload_len}")
+    try:
+        meta = json.loads(frame[12:12 + head_len])
+    except ValueError as exc:
+        raise HandoffMismatch("frame", f"unreadable header: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise HandoffMismatch("frame", "the header is not a JSON object")
+    return meta, frame[12 + head_len:]
+
+
 def to_frame(header: EmbeddingHeader, payload: bytes) -> bytes:
-    meta = json.dumps(dataclasses.asdict(header), separators=(",", ":")).encode()
-    return MAGIC + struct.pack("<II", len(meta), len(payload)) + meta + payload
+    return pack(dataclasses.asdict(header), payload)
 
 
 def from_frame(frame: bytes) -> tuple[EmbeddingHeader, bytes]:
-    if len(frame) < 12 or frame[:4] != MAGIC:
-        raise HandoffMismatch("frame", "not an embedding frame (bad magic or too short)")
-    meta_len, payload_len = struct.unpack("<II", frame[4:12])
-    if len(frame) != 12 + meta_len + payload_len:
-        raise HandoffMismatch("frame", f"frame of {len(frame)} bytes, its lengths say {12 + meta_len + payload_len}")
+    fields, payload = unpack(frame)
     try:
-        fields = json.loads(frame[12:12 + meta_len])
         fields["shape"] = tuple(fields["shape"])
         fields["grid"] = tuple(fields["grid"]) if fields["grid"] is not None else None
         header = EmbeddingHeader(**fields)
     except (ValueError, TypeError, KeyError) as exc:
         raise HandoffMismatch("frame", f"unreadable header: {exc}") from exc
-    return header, frame[12 + meta_len:]
+    return header, payload
 
 
 def open_rows(header: EmbeddingHeader, payload: bytes, expected: Expectation) -> torch.Tensor:

@@ -24,7 +24,7 @@ class ImageEncoder:
                  on_vision_seconds: Callable[[float], None] | None = None,
                  graphs: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  encode: Callable[[list[ImageInput]], list[torch.Tensor]] | None = None,
-                 max_batch_tokens: int | None = None) -> None:
+                 max_batch_tokens: int | None = None, remote: bool = False) -> None:
         self.loaded = loaded
         self.cache = cache
         self.batch_size = batch_size  # None: all new images of a step in one call
@@ -37,6 +37,9 @@ class ImageEncoder:
         # fused stage of vision_fused (wrapped by models.llava.stacked).
         self.encode = encode if encode is not None else loaded.adapter.vision_forward(loaded)
         self._gpu_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (begin, end) not yet reported
+        # remote: ``encode`` runs elsewhere (an encode worker): pixels stay on the host and the
+        # rows it returns are moved to the model's device here.
+        self.remote = remote
 
     def batches(self, images: list[ImageInput]) -> list[list[ImageInput]]:
         """``images`` in vision calls of at most batch_size images and max_batch_tokens tokens."""
@@ -92,12 +95,16 @@ class ImageEncoder:
                     found[key] = cached
                 else:
                     todo[key] = image
-        on_cuda = self.loaded.device.type == "cuda"
+        on_cuda = self.loaded.device.type == "cuda" and not self.remote
         for batch in self.batches(list(todo.values())):
             started = time.perf_counter()
-            batch = self.to_device(batch)
+            if self.remote:
+                encoded = [rows.to(self.loaded.device, non_blocking=True) for rows in self.encode(batch)]
+            else:
+                batch = self.to_device(batch)
             begin = self._record() if on_cuda else None
-            encoded = self.run(batch)
+            if not self.remote:
+                encoded = self.run(batch)
             if begin is not None:
                 self._gpu_timings.append((begin, self._record()))
             elif self.on_vision_seconds:

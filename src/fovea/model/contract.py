@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -138,8 +139,13 @@ def apply_processor_override(loaded: LoadedModel, override: dict[str, Any], forc
 
 
 def model_fingerprint(loaded: LoadedModel) -> str:
-    parts = [(loaded.path / "config.json").read_text()]
-    for file in sorted(loaded.path.glob("*.safetensors")):
+    return directory_fingerprint(loaded.path)
+
+
+def directory_fingerprint(path: Path) -> str:
+    """The model directory's config and safetensors headers (names, shapes, offsets), hashed."""
+    parts = [(path / "config.json").read_text()]
+    for file in sorted(path.glob("*.safetensors")):
         with open(file, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             parts.append(f.read(min(size, 50_000_000)).decode("utf-8", "replace"))

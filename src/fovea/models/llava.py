@@ -53,9 +53,12 @@ class LlavaCodec(PromptCodec):
         return short_side_of(self.image_processor)
 
     def reference_ids(self, messages: list[dict[str, Any]], images: list[Image.Image]) -> list[int]:
-        kwargs = {"images": images} if images else {}
-        out = self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True, **kwargs)
+        # The images go in their content parts, as transformers' chat templating reads them.
+        pending = iter(images)
+        filled = [{**m, "content": [{**part, "image": next(pending)} if part.get("type") == "image" else part
+                                    for part in m["content"]]} if isinstance(m["content"], list) else m
+                  for m in messages]
+        out = self.processor.apply_chat_template(filled, add_generation_prompt=True, tokenize=True, return_dict=True)
         ids = out["input_ids"]
         return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
@@ -63,7 +66,9 @@ class LlavaCodec(PromptCodec):
         check_placeholders(text, self.image_token, len(images), template_rendered)
         kwargs = tokenize_rendered(self.tokenizer, text) if template_rendered else {}
         if images:
-            encoded = self.processor(text=text, images=images, return_tensors="pt", **kwargs)
+            # text_kwargs: transformers' processors take tokenizer arguments there (as keywords
+            # they warn, and may stop passing them on).
+            encoded = self.processor(text=text, images=images, return_tensors="pt", text_kwargs=kwargs)
             pixel_values = encoded["pixel_values"].to(dtype=self.dtype)
         else:
             encoded = self.tokenizer(text, return_tensors="pt", **kwargs)

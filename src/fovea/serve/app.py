@@ -66,6 +66,14 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses),
                       lambda: getattr(engine, "oom_recoveries", 0))
     on_vision = lambda s: metrics.vision_latency.observe(1000 * s)
+    pool = None
+    if settings.topology == "e_pd":
+        from fovea.disagg.encoder_pool import EncoderPool
+
+        pool = EncoderPool(loaded.path, workers=settings.encode_workers, device=str(loaded.device),
+                           dtype=str(loaded.dtype).removeprefix("torch."), model_id=contract.model_fingerprint,
+                           recipe_fingerprint=contract.recipe_fingerprint, hidden=contract.lm_hidden,
+                           timeout_s=settings.encode_timeout_s).start()
     engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
                                                    max_queue=settings.max_queue,
                                                    max_num_batched_tokens=settings.max_batched_tokens,
@@ -74,7 +82,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                                                    gpu_memory_utilization=settings.gpu_memory_utilization,
                                                    kv_cache_memory=settings.kv_cache_memory,
                                                    max_model_len=settings.max_model_len),
-                         on_vision_seconds=on_vision)
+                         on_vision_seconds=on_vision, remote_encode=pool.encode if pool is not None else None)
     state = ServerState.build(settings, loaded, engine, contract, metrics)
 
     async def run_canary() -> None:
@@ -119,6 +127,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                     await task
             engine.stop()
             state.preprocessor.close()
+            if pool is not None:
+                pool.stop()
 
     app = FastAPI(title="fovea", version=__version__, lifespan=lifespan, redirect_slashes=False)
     app.state.fovea = state
@@ -130,6 +140,9 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     @app.get("/health")
     async def health():
         status, reasons = state.health()
+        workers = pool.status() if pool is not None else None
+        if workers is not None and not any(w["state"] in ("ready", "busy") for w in workers):
+            status, reasons = "degraded", [*reasons, "no encode worker is ready: image requests get 503 until one is"]
         last = state.canary.last
         body = {
             "status": status,
@@ -140,6 +153,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             "dtype": contract.dtype,
             "vision_dtype": contract.vision_dtype,
             "model_family": loaded.adapter.family.name,
+            "topology": settings.topology,
+            "encode_workers": workers,
             "probe_image_tokens": contract.probe_image_tokens,
             "recipe_fingerprint": contract.recipe_fingerprint,
             "processor_override": contract.processor_override,

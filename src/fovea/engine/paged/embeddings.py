@@ -22,11 +22,11 @@ from fovea.model.loader import LoadedModel
 class PromptEmbedder:
     def __init__(self, loaded: LoadedModel, llama: PagedLlama, encoder_cache: EncoderCache,
                  vision_batch_size: int, on_vision_seconds: Callable[[float], None] | None = None,
-                 max_batch_tokens: int | None = None) -> None:
+                 max_batch_tokens: int | None = None, encode=None) -> None:
         self.loaded = loaded
         self.llama = llama
-        self.images = ImageEncoder(loaded, encoder_cache, vision_batch_size, on_vision_seconds,
-                                   max_batch_tokens=max_batch_tokens)
+        self.images = ImageEncoder(loaded, encoder_cache, vision_batch_size, on_vision_seconds, encode=encode,
+                                   max_batch_tokens=max_batch_tokens, remote=encode is not None)
 
     def image_rows(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         return self.images.rows_for(seq.request.prompt for seq in seqs)

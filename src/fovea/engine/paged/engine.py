@@ -47,14 +47,15 @@ class OutOfMemory(FoveaError):
 
 class PagedEngine:
     def __init__(self, loaded: LoadedModel, config: PagedEngineConfig | None = None,
-                 on_vision_seconds: Callable[[float], None] | None = None) -> None:
+                 on_vision_seconds: Callable[[float], None] | None = None,
+                 remote_encode: Callable[[list], list[torch.Tensor]] | None = None) -> None:
         self.loaded = loaded
         self.config = (config or PagedEngineConfig()).resolved(
             loaded.device, loaded.context_length, sum(p.numel() for p in loaded.model.parameters()))
         self.encoder_cache = EncoderCache(self.config.encoder_cache_bytes)
         # Triton launches on the current CUDA device: make it the model's (cuda:1 included).
         with torch.cuda.device(loaded.device) if loaded.device.type == "cuda" else contextlib.nullcontext():
-            self.runner = ModelRunner(loaded, self.config, self.encoder_cache, on_vision_seconds)
+            self.runner = ModelRunner(loaded, self.config, self.encoder_cache, on_vision_seconds, remote_encode)
         self.block_manager = BlockManager(self.runner.kv_plan.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_batched_tokens,

@@ -1,0 +1,137 @@
+"""``fovea serve --topology e_pd`` on the demo model: encode workers apart, the same answers as agg.
+
+The encode workers are real processes (spawned, vision weights only). Requests go over HTTP
+with drawn scenes; the reference answers come from the aggregated engine on the same pixels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from scene_helpers import data_url, free_port, fresh_scene, run_all, start_server, stop_server
+
+from fovea.config import ServerSettings
+from fovea.demo import scenes
+from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine.sampling import SamplingParams
+from fovea.model.prompt import encode_prompt, render_chat
+
+QUESTION = "Describe the image."
+
+
+def body(image) -> dict:
+    return {"model": "fovea-shapes", "max_tokens": 40, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": QUESTION}]}]}
+
+
+@pytest.fixture(scope="module")
+def e_pd(demo_model):
+    settings = ServerSettings(host="127.0.0.1", port=free_port(), device="cpu", dtype="float32", canary=False,
+                              topology="e_pd", encode_workers=2, encode_timeout_s=5.0, max_queue=1024)
+    live, server, thread = start_server(settings, demo_model)
+    yield live
+    stop_server(server, thread)
+
+
+def agg_answers(model, images) -> list[str]:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    prompts = [encode_prompt(model, render_chat(model, messages), [image]) for image in images]
+    results = run_all(PagedEngine(model, PagedEngineConfig(num_blocks=512)),
+                      [(p, SamplingParams(max_tokens=40, temperature=0)) for p in prompts])
+    return [finish.text for _, finish in results]
+
+
+async def ask_all(base: str, images) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        return await asyncio.gather(*(client.post("/v1/chat/completions", json=body(im)) for im in images))
+
+
+def health(live) -> dict:
+    return httpx.get(live.base_url + "/health", timeout=30).json()
+
+
+def test_256_concurrent_requests_all_answered_each_as_agg_answers_it(e_pd, demo_model):
+    images = [scenes.render(fresh_scene(20_000 + i)) for i in range(256)]
+    replies = asyncio.run(ask_all(e_pd.base_url, images))
+    assert [r.status_code for r in replies] == [200] * 256, [r.text for r in replies if r.status_code != 200][:3]
+    got = [r.json()["choices"][0]["message"]["content"] for r in replies]
+    assert got == agg_answers(demo_model, images)
+    workers = health(e_pd)["encode_workers"]
+    assert len(workers) == 2 and all(w["state"] == "ready" for w in workers)
+    assert sum(w["batches"] for w in workers) >= 2 and all(w["batches"] > 0 for w in workers)  # both used
+
+
+def _wait_ready(live, restarts: int, timeout: float = 60) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = health(live)["encode_workers"]
+        if sum(w["restarts"] for w in workers) >= restarts and all(w["state"] == "ready" for w in workers):
+            return workers
+        time.sleep(0.2)
+    raise AssertionError(f"the encode workers did not come back: {workers}")
+
+
+def test_a_killed_encode_worker_loses_no_request_and_rejoins(e_pd, demo_model):
+    before = sum(w["restarts"] for w in health(e_pd)["encode_workers"])
+    images = [scenes.render(fresh_scene(30_000 + i)) for i in range(48)]
+
+    async def main():
+        pending = asyncio.ensure_future(ask_all(e_pd.base_url, images))
+        await asyncio.sleep(0.3)  # requests in flight, images being encoded
+        os.kill(health(e_pd)["encode_workers"][0]["pid"], signal.SIGKILL)
+        return await pending
+
+    replies = asyncio.run(main())
+    ok = [r for r in replies if r.status_code == 200]
+    # Each request is answered, or refused with 503 encoder_unavailable: never dropped, never text-only.
+    assert all(r.status_code == 200 or r.json()["error"]["code"] == "encoder_unavailable" for r in replies)
+    assert len(ok) >= len(images) - 8  # its batch went to the other worker
+    expected = dict(zip(range(len(images)), agg_answers(demo_model, images)))
+    for index, reply in enumerate(replies):
+        if reply.status_code == 200:
+            assert reply.json()["choices"][0]["message"]["content"] == expected[index]
+    _wait_ready(e_pd, before + 1)
+    again = asyncio.run(ask_all(e_pd.base_url, images[:4]))
+    assert [r.status_code for r in again] == [200] * 4
+
+
+def test_a_hung_encode_worker_is_timed_out_and_replaced(e_pd, demo_model):
+    before = sum(w["restarts"] for w in health(e_pd)["encode_workers"])
+    workers = health(e_pd)["encode_workers"]
+    # The worker the router picks next (fewest batches, then lowest index): alive, never answers.
+    next_up = min(workers, key=lambda w: (w["batches"], w["index"]))
+    os.kill(next_up["pid"], signal.SIGSTOP)
+    images = [scenes.render(fresh_scene(40_000 + i)) for i in range(8)]
+    started = time.monotonic()
+    replies = asyncio.run(ask_all(e_pd.base_url, images))
+    assert time.monotonic() - started < 60  # bounded by the 5 s encode timeout, not hung
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200][:2]
+    assert [r.json()["choices"][0]["message"]["content"] for r in replies] == agg_answers(demo_model, images)
+    _wait_ready(e_pd, before + 1)
+
+
+def test_the_pool_refuses_embeddings_from_other_vision_weights(demo_model):
+    from fovea.disagg.encoder_pool import EncoderPool
+    from fovea.disagg.handoff import HandoffMismatch
+    from fovea.model.contract import check_contract
+
+    contract = check_contract(demo_model)
+    pool = EncoderPool(demo_model.path, workers=1, device="cpu", dtype="float32", model_id=contract.model_fingerprint,
+                       recipe_fingerprint=contract.recipe_fingerprint, hidden=contract.lm_hidden).start()
+    try:
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+        prompt = encode_prompt(demo_model, render_chat(demo_model, messages), [scenes.render(fresh_scene(50_000))])
+        rows = pool.encode(prompt.images)
+        assert rows[0].shape == (64, contract.lm_hidden)
+        pool.vision_fingerprint = "weights-of-another-model"  # what this PD side expects from now on
+        with pytest.raises(HandoffMismatch) as info:
+            pool.encode(prompt.images)
+        assert info.value.reason == "vision_weights"
+    finally:
+        pool.stop()
