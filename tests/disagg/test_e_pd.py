@@ -65,6 +65,8 @@ def test_256_concurrent_requests_all_answered_each_as_agg_answers_it(e_pd, demo_
     workers = health(e_pd)["encode_workers"]
     assert len(workers) == 2 and all(w["state"] == "ready" for w in workers)
     assert sum(w["batches"] for w in workers) >= 2 and all(w["batches"] > 0 for w in workers)  # both used
+    # Their images were sent to the encoders when each request was admitted, not at its prefill.
+    assert e_pd.app.state.fovea.engine.runner.embedder.images.prefetch_hits >= 200
 
 
 def _wait_ready(live, restarts: int, timeout: float = 60) -> list[dict]:

@@ -21,6 +21,7 @@ import multiprocessing
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -68,6 +69,8 @@ class EncoderPool:
         self.workers = [WorkerHandle(i) for i in range(workers)]
         self.vision_fingerprint = ""
         self._pick = threading.Lock()
+        # Encodes submitted ahead of the engine's step (at admission), one thread per worker.
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fovea-encode-client")
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> EncoderPool:
@@ -83,8 +86,13 @@ class EncoderPool:
         return self
 
     def stop(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
         for worker in self.workers:
             self._end(worker, "stopped")
+
+    def submit(self, images: list[ImageInput]) -> Future:
+        """``encode(images)`` on a client thread: the engine goes on stepping meanwhile."""
+        return self.executor.submit(self.encode, images)
 
     def _spawn(self, worker: WorkerHandle) -> None:
         parent, child = self.context.Pipe(duplex=True)
@@ -172,13 +180,32 @@ class EncoderPool:
 
     def _round_trip(self, worker: WorkerHandle, request: bytes) -> bytes:
         assert worker.conn is not None
+        self._send(worker, request)
         try:
-            worker.conn.send_bytes(request)
             if not worker.conn.poll(self.timeout_s):
                 raise _WorkerLost(f"did not answer within {self.timeout_s:.1f} s")
             return worker.conn.recv_bytes()
         except (EOFError, OSError, BrokenPipeError) as exc:
             raise _WorkerLost(f"died ({type(exc).__name__})") from exc
+
+    def _send(self, worker: WorkerHandle, request: bytes) -> None:
+        """Write the batch within the timeout: a frame larger than the pipe's buffer blocks
+        until the worker reads it, and a hung worker never does."""
+        done, failed = threading.Event(), []
+
+        def send() -> None:
+            try:
+                worker.conn.send_bytes(request)
+            except (OSError, BrokenPipeError, ValueError) as exc:  # ValueError: closed while blocked
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=send, name=f"fovea-encode-send-{worker.index}", daemon=True).start()
+        if not done.wait(self.timeout_s):
+            raise _WorkerLost(f"did not take a batch within {self.timeout_s:.1f} s")
+        if failed:
+            raise _WorkerLost(f"died ({type(failed[0]).__name__})")
 
     def _verify(self, reply: bytes, batch_id: str, images: list[ImageInput]) -> list[torch.Tensor]:
         frames = encode_worker.unpack_many(reply)

@@ -6,11 +6,13 @@ the vision tower behave the same whichever engine serves.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 import torch
 
@@ -18,13 +20,16 @@ from fovea.engine.encoder_cache import EncoderCache
 from fovea.model.loader import LoadedModel
 from fovea.models.base import EncodedPrompt, ImageInput, PlaceholderMismatch
 
+MAX_PREFETCHED = 4096  # images encoded ahead and not yet taken
+
 
 class ImageEncoder:
     def __init__(self, loaded: LoadedModel, cache: EncoderCache, batch_size: int | None = None,
                  on_vision_seconds: Callable[[float], None] | None = None,
                  graphs: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  encode: Callable[[list[ImageInput]], list[torch.Tensor]] | None = None,
-                 max_batch_tokens: int | None = None, remote: bool = False) -> None:
+                 max_batch_tokens: int | None = None, remote: bool = False,
+                 submit: Callable[[list[ImageInput]], Future] | None = None) -> None:
         self.loaded = loaded
         self.cache = cache
         self.batch_size = batch_size  # None: all new images of a step in one call
@@ -40,6 +45,10 @@ class ImageEncoder:
         # remote: ``encode`` runs elsewhere (an encode worker): pixels stay on the host and the
         # rows it returns are moved to the model's device here.
         self.remote = remote
+        self.submit = submit  # remote: encode on another thread, returning a future of the rows
+        # remote: images submitted when their request was admitted, by hash: (future, index).
+        self.prefetched: collections.OrderedDict[str, tuple[Future, int]] = collections.OrderedDict()
+        self.prefetch_hits = 0  # images whose rows were ready (or in progress) when their prefill came
 
     def batches(self, images: list[ImageInput]) -> list[list[ImageInput]]:
         """``images`` in vision calls of at most batch_size images and max_batch_tokens tokens."""
@@ -81,6 +90,20 @@ class ImageEncoder:
                 return list(self.graphs(pixels).unbind(0))
         return self.encode(images)
 
+    def prefetch(self, prompt: EncodedPrompt) -> None:
+        """Remote stages: start encoding the prompt's new images now (the engine calls this when
+        it admits the request), so that its prefill finds them ready instead of waiting."""
+        if self.submit is None:
+            return
+        new = [image for image in prompt.images if image.hash not in self.prefetched and self.cache.get(image.hash) is None]
+        if not new:
+            return
+        future = self.submit(new)
+        for index, image in enumerate(new):
+            self.prefetched[image.hash] = (future, index)
+        while len(self.prefetched) > MAX_PREFETCHED:  # requests cancelled before their prefill
+            self.prefetched.popitem(last=False)
+
     def rows_for(self, prompts: Iterable[EncodedPrompt]) -> dict[str, torch.Tensor]:
         """{image hash: [num_tokens, hidden]} for every image of ``prompts``."""
         found: dict[str, torch.Tensor] = {}
@@ -93,6 +116,12 @@ class ImageEncoder:
                 cached = self.cache.get(key)
                 if cached is not None:
                     found[key] = cached
+                elif key in self.prefetched:
+                    future, index = self.prefetched.pop(key)
+                    self.prefetch_hits += 1
+                    rows = future.result()[index].to(self.loaded.device, non_blocking=True)
+                    self.cache.put(key, rows)
+                    found[key] = rows
                 else:
                     todo[key] = image
         on_cuda = self.loaded.device.type == "cuda" and not self.remote

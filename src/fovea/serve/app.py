@@ -82,7 +82,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                                                    gpu_memory_utilization=settings.gpu_memory_utilization,
                                                    kv_cache_memory=settings.kv_cache_memory,
                                                    max_model_len=settings.max_model_len),
-                         on_vision_seconds=on_vision, remote_encode=pool.encode if pool is not None else None)
+                         on_vision_seconds=on_vision, remote_encoder=pool)
     state = ServerState.build(settings, loaded, engine, contract, metrics)
 
     async def run_canary() -> None:

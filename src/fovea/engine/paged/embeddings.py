@@ -22,11 +22,14 @@ from fovea.model.loader import LoadedModel
 class PromptEmbedder:
     def __init__(self, loaded: LoadedModel, llama: PagedLlama, encoder_cache: EncoderCache,
                  vision_batch_size: int, on_vision_seconds: Callable[[float], None] | None = None,
-                 max_batch_tokens: int | None = None, encode=None) -> None:
+                 max_batch_tokens: int | None = None, remote=None) -> None:
         self.loaded = loaded
         self.llama = llama
-        self.images = ImageEncoder(loaded, encoder_cache, vision_batch_size, on_vision_seconds, encode=encode,
-                                   max_batch_tokens=max_batch_tokens, remote=encode is not None)
+        # remote: an encoder pool (fovea.disagg): the vision stage runs in its workers.
+        self.images = ImageEncoder(loaded, encoder_cache, vision_batch_size, on_vision_seconds,
+                                   encode=remote.encode if remote is not None else None,
+                                   max_batch_tokens=max_batch_tokens, remote=remote is not None,
+                                   submit=remote.submit if remote is not None else None)
 
     def image_rows(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
         return self.images.rows_for(seq.request.prompt for seq in seqs)

@@ -48,14 +48,16 @@ class OutOfMemory(FoveaError):
 class PagedEngine:
     def __init__(self, loaded: LoadedModel, config: PagedEngineConfig | None = None,
                  on_vision_seconds: Callable[[float], None] | None = None,
-                 remote_encode: Callable[[list], list[torch.Tensor]] | None = None) -> None:
+                 remote_encoder=None) -> None:
+        """``remote_encoder``: an encoder pool (``fovea.disagg.encoder_pool``) whose workers run
+        the vision stage; None: this process runs it."""
         self.loaded = loaded
         self.config = (config or PagedEngineConfig()).resolved(
             loaded.device, loaded.context_length, sum(p.numel() for p in loaded.model.parameters()))
         self.encoder_cache = EncoderCache(self.config.encoder_cache_bytes)
         # Triton launches on the current CUDA device: make it the model's (cuda:1 included).
         with torch.cuda.device(loaded.device) if loaded.device.type == "cuda" else contextlib.nullcontext():
-            self.runner = ModelRunner(loaded, self.config, self.encoder_cache, on_vision_seconds, remote_encode)
+            self.runner = ModelRunner(loaded, self.config, self.encoder_cache, on_vision_seconds, remote_encoder)
         self.block_manager = BlockManager(self.runner.kv_plan.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_batched_tokens,
@@ -192,6 +194,7 @@ class PagedEngine:
             self.queued_seconds += time.perf_counter() - request.arrival
             self.scheduler.add(Sequence(self._next_id, request, self.loaded.image_token_id,
                                         self.loaded.device, self.loaded.tokenizer))
+            self.runner.embedder.images.prefetch(prompt)  # remote encoders start on its images now
         return True
 
     def _drain_on_stop(self) -> None:

@@ -61,7 +61,7 @@ def chunk_positions(seq: Sequence, start: int, end: int) -> list[list[int]]:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: PagedEngineConfig, encoder_cache: EncoderCache,
                  on_vision_seconds: Callable[[float], None] | None = None,
-                 remote_encode: Callable[[list], list[torch.Tensor]] | None = None) -> None:
+                 remote_encoder=None) -> None:
         self.loaded = loaded
         self.config = config
         self.device = loaded.device
@@ -87,14 +87,14 @@ class ModelRunner:
         self.embedder = PromptEmbedder(loaded, self.llama, encoder_cache, config.vision_batch_size,
                                        on_vision_seconds,
                                        max_batch_tokens=None if self.fixed_image_shape else config.max_num_batched_tokens,
-                                       encode=remote_encode)
+                                       remote=remote_encoder)
         # Prompt tokens whose input embeddings may be held at once (Scheduler.max_prefill_tokens):
         # a full step of prefill plus one longest prompt started in an earlier step.
         self.max_prefill_tokens = config.max_num_batched_tokens + config.max_model_len
         # The vision stage: fused kernels where they pass their start-up check (chosen before
         # the memory profile, so the profile measures the path that runs).
         self.vision_batched: Callable[[torch.Tensor], torch.Tensor] | None = None  # fixed-size towers: [n, C, H, W]
-        if remote_encode is not None:
+        if remote_encoder is not None:
             vision_label = "remote (encode workers; this process runs no vision forward)"
         elif loaded.adapter.family.name == "llava":
             self.vision_batched, vision_label = choose_vision_encoder(
