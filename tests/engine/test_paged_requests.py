@@ -181,8 +181,8 @@ def test_image_rows_short_of_the_placeholders_fail_that_request_alone(demo_model
     embedder = engine.runner.embedder
     image_rows = embedder.image_rows
 
-    def short_rows(seqs):
-        rows = image_rows(seqs)
+    def short_rows(seqs, errors=None):
+        rows = image_rows(seqs, errors)
         return {key: (value[:-1] if key == bad.image_hashes[0] else value) for key, value in rows.items()}
 
     embedder.image_rows = short_rows

@@ -104,8 +104,13 @@ class ImageEncoder:
         while len(self.prefetched) > MAX_PREFETCHED:  # requests cancelled before their prefill
             self.prefetched.popitem(last=False)
 
-    def rows_for(self, prompts: Iterable[EncodedPrompt]) -> dict[str, torch.Tensor]:
-        """{image hash: [num_tokens, hidden]} for every image of ``prompts``."""
+    def rows_for(self, prompts: Iterable[EncodedPrompt],
+                 errors: dict[str, BaseException] | None = None) -> dict[str, torch.Tensor]:
+        """{image hash: [num_tokens, hidden]} for every image of ``prompts``.
+
+        With ``errors``, a remote encode that fails (a refused hand-off, no worker) is recorded
+        there for each of its images instead of raised, so only the requests holding those
+        images fail; without it, it raises."""
         found: dict[str, torch.Tensor] = {}
         todo: dict[str, ImageInput] = {}
         for prompt in prompts:
@@ -119,20 +124,31 @@ class ImageEncoder:
                 elif key in self.prefetched:
                     future, index = self.prefetched.pop(key)
                     self.prefetch_hits += 1
-                    rows = future.result()[index].to(self.loaded.device, non_blocking=True)
+                    try:
+                        rows = future.result()[index].to(self.loaded.device, non_blocking=True)
+                    except Exception as exc:
+                        if errors is None:
+                            raise
+                        errors[key] = exc
+                        continue
                     self.cache.put(key, rows)
                     found[key] = rows
                 else:
                     todo[key] = image
         on_cuda = self.loaded.device.type == "cuda" and not self.remote
         for batch in self.batches(list(todo.values())):
-            started = time.perf_counter()
-            if self.remote:
-                encoded = [rows.to(self.loaded.device, non_blocking=True) for rows in self.encode(batch)]
+            started, begin = time.perf_counter(), None
+            if self.remote:  # verified rows from an encode worker, on the host
+                try:
+                    encoded = [rows.to(self.loaded.device, non_blocking=True) for rows in self.encode(batch)]
+                except Exception as exc:
+                    if errors is None:
+                        raise
+                    errors.update(dict.fromkeys((image.hash for image in batch), exc))
+                    continue
             else:
                 batch = self.to_device(batch)
-            begin = self._record() if on_cuda else None
-            if not self.remote:
+                begin = self._record() if on_cuda else None
                 encoded = self.run(batch)
             if begin is not None:
                 self._gpu_timings.append((begin, self._record()))

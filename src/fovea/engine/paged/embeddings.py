@@ -31,19 +31,27 @@ class PromptEmbedder:
                                    max_batch_tokens=max_batch_tokens, remote=remote is not None,
                                    submit=remote.submit if remote is not None else None)
 
-    def image_rows(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
-        return self.images.rows_for(seq.request.prompt for seq in seqs)
+    def image_rows(self, seqs: list[Sequence], errors: dict[str, BaseException] | None = None
+                   ) -> dict[str, torch.Tensor]:
+        return self.images.rows_for((seq.request.prompt for seq in seqs), errors)
 
-    def fill(self, seqs: list[Sequence]) -> None:
-        """Set ``prompt_embeds`` ([prompt_len, hidden]) of each sequence.
+    def fill(self, seqs: list[Sequence]) -> list[tuple[Sequence, BaseException]]:
+        """Set ``prompt_embeds`` ([prompt_len, hidden]) of each sequence; return the sequences
+        whose images a remote encoder could not deliver, with why (they get no embeddings).
 
         The image-token positions come from the host's copy of the prompt, so nothing here
         waits for the GPU (a step may be running): the ids and positions cross in one
         asynchronous copy and the rows are scattered on the device.
         """
-        images = self.image_rows(seqs)
+        errors: dict[str, BaseException] = {}
+        images = self.image_rows(seqs, errors)
         device = self.llama.device
+        failed = []
         for seq in seqs:
+            missing = [errors[key] for key in seq.request.prompt.image_hashes if key in errors]
+            if missing:
+                failed.append((seq, missing[0]))
+                continue
             positions = [i for i, image in enumerate(seq.image_of_pos) if image >= 0]
             rows = [images[key] for key in seq.request.prompt.image_hashes]
             check_image_row_count(len(positions), rows, seq.request.request_id)
@@ -52,3 +60,4 @@ class PromptEmbedder:
             if rows:
                 embeds[where] = torch.cat(rows).to(embeds.dtype)
             seq.prompt_embeds = embeds
+        return failed

@@ -332,7 +332,7 @@ class PagedEngine:
         if not need:
             return
         try:
-            self.runner.embedder.fill(need)
+            undelivered = self.runner.embedder.fill(need)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
@@ -342,6 +342,14 @@ class PagedEngine:
                 self._fail(seq, exc)
             # Decodes never need prompt embeddings, so plan.num_decodes stays right.
             plan.chunks = [c for c in plan.chunks if id(c.seq) not in failed]
+            return
+        if undelivered:  # only the requests whose images the encode workers did not deliver
+            log.warning("%d request(s) failed: their images were not encoded (%s)", len(undelivered),
+                        undelivered[0][1])
+            for seq, why in undelivered:
+                self._fail(seq, why)
+            gone = {id(seq) for seq, _ in undelivered}
+            plan.chunks = [c for c in plan.chunks if id(c.seq) not in gone]
 
     def _recover_from_oom(self, plan: StepPlan, exc: torch.OutOfMemoryError) -> None:
         """A step ran out of device memory before anything of it was read back: nothing is lost.
