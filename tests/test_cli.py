@@ -38,6 +38,7 @@ def test_doctor_reports_this_machine_and_the_model_contract():
     assert result.returncode == (0 if report["ok"] else 1)
     assert names["contract"]["status"] == "pass" and "probe images of [64, 64] image tokens" in names["contract"]["detail"]
     assert names["model.directory"]["status"] == "pass"
+    assert names["engine.reference"]["status"] == "pass" and "of transformers' forward" in names["engine.reference"]["detail"]
     assert {"torch.cuda", "gpu.visibility", "env.CUDA_VISIBLE_DEVICES", "container"} <= set(names)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import torch
@@ -18,29 +19,73 @@ def model_dir_check(path: Path) -> Check:
         config = inspect_model_dir(path)
     except FoveaError as exc:
         return Check("model.directory", Status.FAIL, exc.message,
-                     "point --model at a local Hugging Face-format LLaVA directory")
+                     "point --model at a local Hugging Face-format directory of a supported family "
+                     "(docs/models.md)")
     return Check("model.directory", Status.PASS, f"{path}: {config.get('model_type')} model with weights, "
                  "tokenizer, image processor and chat template")
 
 
-def memory_plan_check(loaded, engine_config, report: dict | None) -> Check:
-    """Plan the memory as `fovea serve` would (on a GPU: profile, size the KV cache), then let go."""
+def memory_plan_check(loaded, engine_config, report: dict | None) -> list[Check]:
+    """Plan the memory as `fovea serve` would (on a GPU: profile, size the KV cache), check the
+    engine against transformers' reference on a probe image, then let go."""
     from fovea.engine.paged import PagedEngine
 
     try:
         engine = PagedEngine(loaded, engine_config)
     except FoveaError as exc:
-        return Check("memory.plan", Status.FAIL, exc.message,
-                     "change the flag the message names, or free the GPU")
+        return [Check("memory.plan", Status.FAIL, exc.message,
+                      "change the flag the message names, or free the GPU")]
     plan = engine.runner.memory_plan
-    del engine
     if report is not None:
         report["memory_plan"] = plan.to_dict()
     budget = f" of the {plan.budget_bytes / 2**30:.2f} GiB this process may hold" if plan.budget_bytes else ""
-    return Check("memory.plan", Status.PASS,
-                 f"{plan.planned_bytes / 2**30:.2f} GiB planned on {plan.device}{budget}: "
-                 + ", ".join(f"{line.name} {line.bytes / 2**30:.2f}" for line in plan.lines)
-                 + f" GiB; KV cache {plan.kv_tokens} tokens")
+    checks = [Check("memory.plan", Status.PASS,
+                    f"{plan.planned_bytes / 2**30:.2f} GiB planned on {plan.device}{budget}: "
+                    + ", ".join(f"{line.name} {line.bytes / 2**30:.2f}" for line in plan.lines)
+                    + f" GiB; KV cache {plan.kv_tokens} tokens")]
+    checks.append(reference_check(loaded, engine))
+    del engine
+    return checks
+
+
+def reference_check(loaded, engine) -> Check:
+    """The engine's first-token log-probabilities on a probe image against transformers' own forward."""
+    from fovea.engine.reference import reference_logits
+    from fovea.engine.request import ErrorEvent, FinishEvent
+    from fovea.engine.sampling import SamplingParams
+    from fovea.guard.probe_images import probe_image
+    from fovea.model.contract import probe_chat
+
+    prompt = loaded.codec.encode(loaded.codec.render(probe_chat(1, "probe")), [probe_image()])
+
+    async def first_logprobs() -> torch.Tensor:
+        engine.start()
+        try:
+            async for event in engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                                               want_first_logprobs=True):
+                if isinstance(event, ErrorEvent):
+                    raise event.error
+                if isinstance(event, FinishEvent):
+                    return event.first_logprobs
+        finally:
+            engine.stop()
+        raise RuntimeError("the engine finished without an answer")
+
+    try:
+        ours = asyncio.run(first_logprobs()).float().cpu()
+    except Exception as exc:  # noqa: BLE001 - a failing engine is this check's finding
+        return Check("engine.reference", Status.FAIL, f"the engine could not answer a probe request: {exc}",
+                     "run the tests on this machine (pytest tests/engine) and report the failure")
+    ref = torch.log_softmax(reference_logits(loaded, prompt), -1).float().cpu()
+    rel = float((ours - ref).norm() / ref.norm())
+    tolerance = 1e-4 if loaded.dtype == torch.float32 else 1e-2
+    detail = (f"first-token log-probs on a probe image within {rel:.1e} (relative) of transformers' forward "
+              f"(tolerance {tolerance:.0e}); same top token: {int(ours.argmax()) == int(ref.argmax())}")
+    if rel <= tolerance:
+        return Check("engine.reference", Status.PASS, detail)
+    return Check("engine.reference", Status.FAIL, detail,
+                 "the engine and transformers disagree on this model: serve with --dtype float32 to see whether "
+                 "precision explains it, and report it")
 
 
 def contract_checks(path: Path, device: str, dtype: str, engine_config=None,
@@ -70,7 +115,7 @@ def contract_checks(path: Path, device: str, dtype: str, engine_config=None,
     for note in contract.notes:
         checks.append(Check("contract.note", Status.WARN, note, ""))
     if engine_config is not None:
-        checks.append(memory_plan_check(loaded, engine_config, report))
+        checks.extend(memory_plan_check(loaded, engine_config, report))
     return checks
 
 
