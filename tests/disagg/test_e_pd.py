@@ -131,6 +131,10 @@ def test_the_pool_refuses_embeddings_from_other_vision_weights(demo_model):
         prompt = encode_prompt(demo_model, render_chat(demo_model, messages), [scenes.render(fresh_scene(50_000))])
         rows = pool.encode(prompt.images)
         assert rows[0].shape == (64, contract.lm_hidden)
+        plan = pool.status()[0]["plan"]  # the worker's own plan: its vision weights, on CPU no measured peak
+        vision = sum(t.numel() * t.element_size() for m in demo_model.adapter.vision_modules(demo_model.model)
+                     for t in [*m.parameters(), *m.buffers()])
+        assert plan["weights_bytes"] == vision and plan["activation_bytes"] is None
         pool.vision_fingerprint = "weights-of-another-model"  # what this PD side expects from now on
         with pytest.raises(HandoffMismatch) as info:
             pool.encode(prompt.images)

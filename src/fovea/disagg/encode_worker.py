@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from fovea.disagg.encoder_plan import MARGIN_BYTES, EncoderPlan, refuse_unless_fits
 from fovea.disagg.handoff import DTYPES, pack, seal, to_frame, unpack, vision_fingerprint
 from fovea.models.base import ImageInput
 
@@ -52,7 +53,31 @@ def read_image(frame: bytes) -> tuple[dict, ImageInput]:
     return meta, ImageInput(pixels, int(meta["tokens"]), meta["hash"], grid)
 
 
-def worker_main(conn: Connection, model_dir: str, device: str, dtype: str) -> None:
+def measure_plan(part, batch_images: int) -> EncoderPlan:
+    """The worker's plan: its weights, and on CUDA the measured peak of its largest batch (the
+    tower's fixed size x ``batch_images``, or one image of the processor's max_pixels)."""
+    from fovea.engine.paged.memory_profile import CudaMeter, measure, tensor_bytes
+
+    weights = tensor_bytes(part.model)
+    if part.device.type != "cuda":
+        return EncoderPlan(str(part.device), weights, None, MARGIN_BYTES, batch_images, None)
+    adapter, config = part.adapter, part.model.config
+    shape = adapter.fixed_image_shape(config)
+    if shape is not None:
+        images = [ImageInput(torch.randn(shape, dtype=part.dtype), 0, f"plan-{i}") for i in range(batch_images)]
+    else:
+        codec = adapter.codec(adapter.load_processor(part.path), 0, part.dtype)
+        images, batch_images = adapter.dummy_images(codec, 1), 1
+    encode = adapter.vision_forward(part)
+    with torch.inference_mode():
+        _, _, peak = measure(CudaMeter(part.device), lambda: encode([_to(im, part.device) for im in images]))
+    plan = EncoderPlan(str(part.device), weights, peak, MARGIN_BYTES, batch_images, part.free_before_bytes)
+    if plan.free_bytes is not None:
+        refuse_unless_fits(plan.need_bytes, plan.free_bytes, plan.render())
+    return plan
+
+
+def worker_main(conn: Connection, model_dir: str, device: str, dtype: str, batch_images: int = 8) -> None:
     """The process's body: load, say ready (with the vision fingerprint), then serve until EOF.
 
     The model id is the worker's own reading of its directory; the recipe fingerprint is the
@@ -64,10 +89,12 @@ def worker_main(conn: Connection, model_dir: str, device: str, dtype: str) -> No
 
         part = load_vision_part(model_dir, device, dtype)
         model_id = directory_fingerprint(part.path)
+        plan = measure_plan(part, batch_images)
         encode = part.adapter.vision_forward(part)
         fingerprint = vision_fingerprint(part.adapter.vision_modules(part.model))
         conn.send_bytes(pack({"kind": READY, "pid": os.getpid(), "vision_fingerprint": fingerprint,
-                              "parameters": part.parameters, "load_seconds": part.load_seconds}, b""))
+                              "parameters": part.parameters, "load_seconds": part.load_seconds,
+                              "plan": plan.to_dict(), "plan_text": plan.render()}, b""))
     except Exception as exc:  # noqa: BLE001 - the parent reports why the worker could not start
         conn.send_bytes(pack({"kind": ERROR, "message": f"{type(exc).__name__}: {exc}"}, b""))
         return

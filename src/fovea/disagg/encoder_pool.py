@@ -50,21 +50,24 @@ class WorkerHandle:
     restarts: int = 0
     batches: int = 0
     vision_fingerprint: str = ""
+    plan: dict | None = None  # its memory plan (encoder_plan.EncoderPlan), as it reported it
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def status(self) -> dict:
         return {"index": self.index, "pid": self.pid, "state": self.state, "restarts": self.restarts,
-                "batches": self.batches}
+                "batches": self.batches, "plan": self.plan}
 
 
 class EncoderPool:
     def __init__(self, model_dir: str | Path, *, workers: int, device: str, dtype: str, model_id: str,
-                 recipe_fingerprint: str, hidden: int, timeout_s: float = 60.0, start_timeout_s: float = 300.0) -> None:
+                 recipe_fingerprint: str, hidden: int, timeout_s: float = 60.0, start_timeout_s: float = 300.0,
+                 batch_images: int = 8) -> None:
         if workers < 1:
             raise ValueError("an encoder pool needs at least one worker")
         self.model_dir, self.device, self.dtype = str(model_dir), device, dtype
         self.model_id, self.recipe_fingerprint, self.hidden = model_id, recipe_fingerprint, hidden
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.batch_images = batch_images  # the engine's vision batch: what each worker plans its peak for
         self.context = multiprocessing.get_context("spawn")  # no CUDA state or threads inherited
         self.workers = [WorkerHandle(i) for i in range(workers)]
         self.vision_fingerprint = ""
@@ -97,7 +100,8 @@ class EncoderPool:
     def _spawn(self, worker: WorkerHandle) -> None:
         parent, child = self.context.Pipe(duplex=True)
         process = self.context.Process(target=encode_worker.worker_main, name=f"fovea-encode-{worker.index}",
-                                       args=(child, self.model_dir, self.device, self.dtype), daemon=True)
+                                       args=(child, self.model_dir, self.device, self.dtype, self.batch_images),
+                                       daemon=True)
         process.start()
         child.close()
         worker.process, worker.conn, worker.pid, worker.state = process, parent, process.pid, "starting"
@@ -111,9 +115,9 @@ class EncoderPool:
         if meta.get("kind") != encode_worker.READY:
             self._end(worker, "failed")
             raise FoveaError(f"encode worker {worker.index} could not start: {meta.get('message')}")
-        worker.vision_fingerprint, worker.state = meta["vision_fingerprint"], "ready"
-        log.info("encode worker %d (pid %s) loaded %.1f M vision parameters in %.1f s", worker.index, worker.pid,
-                 meta["parameters"] / 1e6, meta["load_seconds"])
+        worker.vision_fingerprint, worker.state, worker.plan = meta["vision_fingerprint"], "ready", meta["plan"]
+        log.info("encode worker %d (pid %s) loaded %.1f M vision parameters in %.1f s; %s", worker.index,
+                 worker.pid, meta["parameters"] / 1e6, meta["load_seconds"], meta["plan_text"])
 
     def _end(self, worker: WorkerHandle, state: str) -> None:
         if worker.process is not None and worker.process.is_alive():

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from fovea.disagg.encoder_plan import MARGIN_BYTES, header_bytes, refuse_unless_fits
 from fovea.errors import ModelLoadError
 from fovea.model.loader import inspect_model_dir, is_position_buffer, resolve_device, resolve_dtype
 from fovea.models import ModelAdapter, adapter_for
@@ -32,6 +33,7 @@ class VisionPart:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float
+    free_before_bytes: int | None = None  # free on the GPU before loading (CUDA)
 
     @property
     def parameters(self) -> int:
@@ -84,6 +86,11 @@ def load_vision_part(path: str | Path, device: str = "auto", dtype: str = "auto"
     if missing:
         raise ModelLoadError(f"{path}: the checkpoint has no weights for {len(missing)} vision tensor(s), e.g. "
                              f"{', '.join(missing[:3])}; it cannot be served by an encode-only process.")
+    weights = header_bytes(names, [name for wanted in by_file.values() for _, name in wanted], torch_dtype)
+    free = torch.cuda.mem_get_info(torch_device)[0] if torch_device.type == "cuda" else None
+    if free is not None:  # before anything is on the GPU: the weights and the margin must fit
+        refuse_unless_fits(weights + MARGIN_BYTES, free, f"its vision weights ({weights / 2**30:.2f} GiB) plus "
+                           f"the margin")
     with torch.no_grad():
         for file, wanted in by_file.items():
             with safe_open(str(file), "pt") as f:
@@ -98,7 +105,7 @@ def load_vision_part(path: str | Path, device: str = "auto", dtype: str = "auto"
     for name, tensor in list(shell.named_parameters()) + list(shell.named_buffers()):
         if tensor.is_floating_point() and tensor.dtype != torch_dtype and not is_position_buffer(name):
             tensor.data = tensor.data.to(torch_dtype)
-    return VisionPart(path, shell, adapter, torch_device, torch_dtype, time.perf_counter() - started)
+    return VisionPart(path, shell, adapter, torch_device, torch_dtype, time.perf_counter() - started, free)
 
 
 def _shell(config: Any, modules: dict[str, torch.nn.Module]) -> torch.nn.Module:
