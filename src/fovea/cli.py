@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="agg: one process runs everything; e_pd: the vision stage in encode-worker processes "
                             "that load only the vision weights (docs/disaggregation.md)")
     serve.add_argument("--encode-workers", type=positive_int, default=1, help="e_pd: encode-worker processes")
+    serve.add_argument("--ray-address", default=None,
+                       help="e_pd: run the encode workers as actors on this Ray cluster (host:port, or 'local' "
+                            "to start one here); default: processes on this machine")
     serve.add_argument("--encode-timeout", type=float, default=60.0,
                        help="e_pd: seconds an encode worker may hold a batch before it is restarted")
     serve.add_argument("--max-batch-size", type=positive_int, default=None,
@@ -180,7 +183,8 @@ def serve(args: argparse.Namespace) -> int:
         settings = ServerSettings(
             model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             served_model_name=args.served_model_name, engine=args.engine, topology=args.topology,
-            encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, max_batch_size=args.max_batch_size,
+            encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, ray_address=args.ray_address,
+            max_batch_size=args.max_batch_size,
             max_batched_tokens=args.max_batched_tokens, step_overlap=args.step_overlap,
             fused_vision=args.fused_vision, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,

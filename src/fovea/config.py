@@ -26,6 +26,7 @@ class ServerSettings:
     topology: str = "agg"
     encode_workers: int = 1
     encode_timeout_s: float = 60.0  # a worker that holds a batch longer is restarted
+    ray_address: str | None = None  # e_pd: encode workers as actors on this Ray cluster ("local": start one)
     max_batch_size: int | None = None  # sequences decoded together; None: 256 on a GPU, 16 on CPU
     # Tokens one paged-engine step may compute (prefill chunks + decodes); None: the engine's
     # default (8192 on CUDA, 512 on CPU). Larger: faster bursts, longer gaps between tokens.
@@ -65,6 +66,8 @@ class ServerSettings:
             raise ValueError(f"--topology must be agg or e_pd, not {self.topology!r}")
         if self.encode_workers < 1:
             raise ValueError("--encode-workers must be at least 1")
+        if self.ray_address is not None and self.topology != "e_pd":
+            raise ValueError("--ray-address places encode workers: it needs --topology e_pd")
         if self.encode_timeout_s <= 0:
             raise ValueError("--encode-timeout must be a positive number of seconds")
         if self.engine != "paged":

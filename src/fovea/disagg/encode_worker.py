@@ -77,44 +77,62 @@ def measure_plan(part, batch_images: int) -> EncoderPlan:
     return plan
 
 
-def worker_main(conn: Connection, model_dir: str, device: str, dtype: str, batch_images: int = 8) -> None:
-    """The process's body: load, say ready (with the vision fingerprint), then serve until EOF.
+class EncodeService:
+    """What an encode worker does, whatever carries its frames (a pipe here, Ray's object store
+    across machines: ``ray_workers``). Built once: loads the vision part and measures its plan.
 
     The model id is the worker's own reading of its directory; the recipe fingerprint is the
     one the pixels were preprocessed with, sent with them and returned with their rows."""
-    torch.set_num_threads(1)
-    try:
+
+    def __init__(self, model_dir: str, device: str, dtype: str, batch_images: int = 8) -> None:
         from fovea.model.contract import directory_fingerprint
         from fovea.model.vision_part import load_vision_part
 
-        part = load_vision_part(model_dir, device, dtype)
-        model_id = directory_fingerprint(part.path)
-        plan = measure_plan(part, batch_images)
-        encode = part.adapter.vision_forward(part)
-        fingerprint = vision_fingerprint(part.adapter.vision_modules(part.model))
-        conn.send_bytes(pack({"kind": READY, "pid": os.getpid(), "vision_fingerprint": fingerprint,
-                              "parameters": part.parameters, "load_seconds": part.load_seconds,
-                              "plan": plan.to_dict(), "plan_text": plan.render()}, b""))
+        self.part = load_vision_part(model_dir, device, dtype)
+        self.model_id = directory_fingerprint(self.part.path)
+        self.plan = measure_plan(self.part, batch_images)
+        self.encode = self.part.adapter.vision_forward(self.part)
+        self.fingerprint = vision_fingerprint(self.part.adapter.vision_modules(self.part.model))
+
+    def ready_frame(self) -> bytes:
+        part = self.part
+        return pack({"kind": READY, "pid": os.getpid(), "vision_fingerprint": self.fingerprint,
+                     "parameters": part.parameters, "load_seconds": part.load_seconds,
+                     "plan": self.plan.to_dict(), "plan_text": self.plan.render()}, b"")
+
+    def handle(self, request: bytes) -> bytes:
+        """One batch: image frames in, sealed embedding frames (or one error frame) out."""
+        try:
+            images = [read_image(frame) for frame in unpack_many(request)]
+            with torch.inference_mode():
+                rows = self.encode([_to(image, self.part.device) for _, image in images])
+            return pack_many([to_frame(*seal(r, request_id=meta["batch"], image_hash=image.hash,
+                                             model_id=self.model_id, vision_fp=self.fingerprint,
+                                             recipe_fp=meta["recipe"], grid=image.grid))
+                              for (meta, image), r in zip(images, rows, strict=True)])
+        except Exception as exc:  # noqa: BLE001 - one bad batch is answered, the worker goes on
+            return pack_many([error_frame(exc, traceback.format_exc()[-2000:])])
+
+
+def error_frame(exc: BaseException, trace: str = "") -> bytes:
+    return pack({"kind": ERROR, "message": f"{type(exc).__name__}: {exc}", "trace": trace}, b"")
+
+
+def worker_main(conn: Connection, model_dir: str, device: str, dtype: str, batch_images: int = 8) -> None:
+    """The process's body: load, say ready (with the vision fingerprint), then serve until EOF."""
+    torch.set_num_threads(1)
+    try:
+        service = EncodeService(model_dir, device, dtype, batch_images)
     except Exception as exc:  # noqa: BLE001 - the parent reports why the worker could not start
-        conn.send_bytes(pack({"kind": ERROR, "message": f"{type(exc).__name__}: {exc}"}, b""))
+        conn.send_bytes(error_frame(exc))
         return
+    conn.send_bytes(service.ready_frame())
     while True:
         try:
             request = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        try:
-            images = [read_image(frame) for frame in unpack_many(request)]
-            batch = [image for _, image in images]
-            with torch.inference_mode():
-                rows = encode([_to(image, part.device) for image in batch])
-            replies = [to_frame(*seal(r, request_id=meta["batch"], image_hash=image.hash, model_id=model_id,
-                                      vision_fp=fingerprint, recipe_fp=meta["recipe"], grid=image.grid))
-                       for (meta, image), r in zip(images, rows, strict=True)]
-            conn.send_bytes(pack_many(replies))
-        except Exception as exc:  # noqa: BLE001 - one bad batch is answered, the worker goes on
-            conn.send_bytes(pack_many([pack({"kind": ERROR, "message": f"{type(exc).__name__}: {exc}",
-                                             "trace": traceback.format_exc()[-2000:]}, b"")]))
+        conn.send_bytes(service.handle(request))
 
 
 def _to(image: ImageInput, device: torch.device) -> ImageInput:

@@ -17,21 +17,24 @@ vision weights, recipe, dtype, shape, tokens, grid, checksum), and supervises th
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from fovea.disagg import encode_worker
+from fovea.disagg.channels import PipeChannel, WorkerLost
 from fovea.disagg.handoff import Expectation, HandoffMismatch, from_frame, open_rows, unpack
 from fovea.errors import FoveaError
 from fovea.models.base import ImageInput
+
+if TYPE_CHECKING:
+    from fovea.disagg.ray_workers import RayChannel
 
 log = logging.getLogger("fovea.disagg")
 
@@ -43,8 +46,7 @@ class EncoderUnavailable(FoveaError):
 @dataclass
 class WorkerHandle:
     index: int
-    process: multiprocessing.process.BaseProcess | None = None
-    conn: Connection | None = None
+    channel: PipeChannel | RayChannel | None = None
     state: str = "starting"  # starting | ready | busy | dead | failed
     pid: int | None = None
     restarts: int = 0
@@ -61,14 +63,20 @@ class WorkerHandle:
 class EncoderPool:
     def __init__(self, model_dir: str | Path, *, workers: int, device: str, dtype: str, model_id: str,
                  recipe_fingerprint: str, hidden: int, timeout_s: float = 60.0, start_timeout_s: float = 300.0,
-                 batch_images: int = 8) -> None:
+                 batch_images: int = 8, ray_address: str | None = None) -> None:
         if workers < 1:
             raise ValueError("an encoder pool needs at least one worker")
         self.model_dir, self.device, self.dtype = str(model_dir), device, dtype
         self.model_id, self.recipe_fingerprint, self.hidden = model_id, recipe_fingerprint, hidden
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.batch_images = batch_images  # the engine's vision batch: what each worker plans its peak for
-        self.context = multiprocessing.get_context("spawn")  # no CUDA state or threads inherited
+        if ray_address is None:
+            self.open_channel = lambda index: PipeChannel(index, self.model_dir, device, dtype, batch_images)
+        else:
+            from fovea.disagg.ray_workers import RayChannel, connect
+
+            connect(ray_address)
+            self.open_channel = lambda index: RayChannel(index, self.model_dir, device, dtype, batch_images)
         self.workers = [WorkerHandle(i) for i in range(workers)]
         self.vision_fingerprint = ""
         self._pick = threading.Lock()
@@ -98,20 +106,16 @@ class EncoderPool:
         return self.executor.submit(self.encode, images)
 
     def _spawn(self, worker: WorkerHandle) -> None:
-        parent, child = self.context.Pipe(duplex=True)
-        process = self.context.Process(target=encode_worker.worker_main, name=f"fovea-encode-{worker.index}",
-                                       args=(child, self.model_dir, self.device, self.dtype, self.batch_images),
-                                       daemon=True)
-        process.start()
-        child.close()
-        worker.process, worker.conn, worker.pid, worker.state = process, parent, process.pid, "starting"
+        worker.channel = self.open_channel(worker.index)
+        worker.pid, worker.state = worker.channel.pid, "starting"
 
     def _await_ready(self, worker: WorkerHandle) -> None:
-        assert worker.conn is not None
-        if not worker.conn.poll(self.start_timeout_s):
+        assert worker.channel is not None
+        try:
+            meta, _ = unpack(worker.channel.ready(self.start_timeout_s))
+        except (TimeoutError, WorkerLost, EOFError, OSError) as exc:
             self._end(worker, "failed")
-            raise FoveaError(f"encode worker {worker.index} did not start within {self.start_timeout_s:.0f} s")
-        meta, _ = unpack(worker.conn.recv_bytes())
+            raise FoveaError(f"encode worker {worker.index} could not start: {exc}") from exc
         if meta.get("kind") != encode_worker.READY:
             self._end(worker, "failed")
             raise FoveaError(f"encode worker {worker.index} could not start: {meta.get('message')}")
@@ -120,12 +124,9 @@ class EncoderPool:
                  worker.pid, meta["parameters"] / 1e6, meta["load_seconds"], meta["plan_text"])
 
     def _end(self, worker: WorkerHandle, state: str) -> None:
-        if worker.process is not None and worker.process.is_alive():
-            worker.process.kill()
-            worker.process.join(timeout=10)
-        if worker.conn is not None:
-            worker.conn.close()
-        worker.process, worker.conn, worker.state = None, None, state
+        if worker.channel is not None:
+            worker.channel.close()
+        worker.channel, worker.state = None, state
 
     def _restart(self, worker: WorkerHandle, why: str) -> None:
         log.warning("encode worker %d (pid %s) %s: restarting it", worker.index, worker.pid, why)
@@ -139,7 +140,7 @@ class EncoderPool:
 
     def status(self) -> list[dict]:
         for worker in self.workers:
-            if worker.state in ("ready", "busy") and worker.process is not None and not worker.process.is_alive():
+            if worker.state in ("ready", "busy") and worker.channel is not None and not worker.channel.alive():
                 worker.state = "dead"
         return [w.status() for w in self.workers]
 
@@ -171,7 +172,7 @@ class EncoderPool:
             tried.add(worker.index)
             try:
                 reply = self._round_trip(worker, request)
-            except _WorkerLost as lost:
+            except WorkerLost as lost:
                 last = f"worker {worker.index} {lost}"
                 worker.state = "dead"  # not chosen again until the restart has it ready
                 worker.lock.release()
@@ -183,33 +184,9 @@ class EncoderPool:
         raise EncoderUnavailable(f"no encode worker could encode {len(images)} image(s): {last}; retry shortly")
 
     def _round_trip(self, worker: WorkerHandle, request: bytes) -> bytes:
-        assert worker.conn is not None
-        self._send(worker, request)
-        try:
-            if not worker.conn.poll(self.timeout_s):
-                raise _WorkerLost(f"did not answer within {self.timeout_s:.1f} s")
-            return worker.conn.recv_bytes()
-        except (EOFError, OSError, BrokenPipeError) as exc:
-            raise _WorkerLost(f"died ({type(exc).__name__})") from exc
-
-    def _send(self, worker: WorkerHandle, request: bytes) -> None:
-        """Write the batch within the timeout: a frame larger than the pipe's buffer blocks
-        until the worker reads it, and a hung worker never does."""
-        done, failed = threading.Event(), []
-
-        def send() -> None:
-            try:
-                worker.conn.send_bytes(request)
-            except (OSError, BrokenPipeError, ValueError) as exc:  # ValueError: closed while blocked
-                failed.append(exc)
-            finally:
-                done.set()
-
-        threading.Thread(target=send, name=f"fovea-encode-send-{worker.index}", daemon=True).start()
-        if not done.wait(self.timeout_s):
-            raise _WorkerLost(f"did not take a batch within {self.timeout_s:.1f} s")
-        if failed:
-            raise _WorkerLost(f"died ({type(failed[0]).__name__})")
+        if worker.channel is None:
+            raise WorkerLost("is not running")
+        return worker.channel.round_trip(request, self.timeout_s)
 
     def _verify(self, reply: bytes, batch_id: str, images: list[ImageInput]) -> list[torch.Tensor]:
         frames = encode_worker.unpack_many(reply)
@@ -231,6 +208,3 @@ class EncoderPool:
                 grid=image.grid)))
         return out
 
-
-class _WorkerLost(Exception):
-    pass

@@ -73,7 +73,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
         pool = EncoderPool(loaded.path, workers=settings.encode_workers, device=str(loaded.device),
                            dtype=str(loaded.dtype).removeprefix("torch."), model_id=contract.model_fingerprint,
                            recipe_fingerprint=contract.recipe_fingerprint, hidden=contract.lm_hidden,
-                           timeout_s=settings.encode_timeout_s).start()
+                           timeout_s=settings.encode_timeout_s, ray_address=settings.ray_address).start()
     engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
                                                    max_queue=settings.max_queue,
                                                    max_num_batched_tokens=settings.max_batched_tokens,
