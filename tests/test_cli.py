@@ -39,6 +39,7 @@ def test_doctor_reports_this_machine_and_the_model_contract():
     assert names["contract"]["status"] == "pass" and "probe images of [64, 64] image tokens" in names["contract"]["detail"]
     assert names["model.directory"]["status"] == "pass"
     assert names["engine.reference"]["status"] == "pass" and "of transformers' forward" in names["engine.reference"]["detail"]
+    assert names["encoder.plan"]["status"] == "pass" and "encode worker on cpu needs" in names["encoder.plan"]["detail"]
     assert {"torch.cuda", "gpu.visibility", "env.CUDA_VISIBLE_DEVICES", "container"} <= set(names)
 
 

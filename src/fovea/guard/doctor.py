@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 
 import torch
@@ -46,6 +47,21 @@ def memory_plan_check(loaded, engine_config, report: dict | None) -> list[Check]
     checks.append(reference_check(loaded, engine))
     del engine
     return checks
+
+
+def encoder_plan_check(path: Path, device: str, dtype: str) -> Check:
+    """What an encode worker (`--topology e_pd`) would load and hold on this device."""
+    from fovea.disagg.encode_worker import measure_plan
+    from fovea.model.vision_part import load_vision_part
+
+    try:
+        part = load_vision_part(path, device, dtype)
+        plan = measure_plan(part, batch_images=8)
+    except FoveaError as exc:
+        return Check("encoder.plan", Status.FAIL, exc.message,
+                     "free memory on that GPU or give the encode worker another one (--topology e_pd)")
+    return Check("encoder.plan", Status.PASS, f"{plan.render()}; it reads {part.parameters / 1e6:.1f} M vision "
+                 "parameters and no language-model tensor")
 
 
 def reference_check(loaded, engine) -> Check:
@@ -116,6 +132,11 @@ def contract_checks(path: Path, device: str, dtype: str, engine_config=None,
         checks.append(Check("contract.note", Status.WARN, note, ""))
     if engine_config is not None:
         checks.extend(memory_plan_check(loaded, engine_config, report))
+    del loaded  # the encode worker's plan is measured without the full model beside it
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    checks.append(encoder_plan_check(path, device, dtype))
     return checks
 
 
