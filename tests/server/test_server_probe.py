@@ -42,6 +42,25 @@ def test_models_do_not_expose_the_servers_filesystem(server):
     assert model["max_model_len"] == server.app.state.fovea.engine.max_context
 
 
+def read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response (head and a Content-Length body): recv may return the head
+    and the body separately, and a second request must not read the first one's body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed mid-response: {data[:200]!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed mid-body"
+        body += chunk
+    assert len(body) == length, "more bytes than the response's Content-Length"
+    return head + b"\r\n\r\n" + body
+
+
 def closed_within(sock: socket.socket, seconds: float) -> bool:
     """True when the server closes the connection within ``seconds`` (the peer's EOF arrives)."""
     sock.settimeout(seconds)
@@ -92,8 +111,7 @@ def test_a_kept_alive_connection_serves_then_closes_when_idle(quick_deadline):
         for _ in range(2):
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             sock.settimeout(10)
-            head = sock.recv(65536)
-            assert head.startswith(b"HTTP/1.1 200")
+            assert read_response(sock).startswith(b"HTTP/1.1 200")
         assert closed_within(sock, 10)
 
 
@@ -104,7 +122,7 @@ def test_an_idle_pooled_connection_outlives_the_clients_pool_expiry(server):
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         sock.settimeout(10)
-        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert read_response(sock).startswith(b"HTTP/1.1 200")
         assert not closed_within(sock, 6.0)  # still open after 6 s idle
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        assert read_response(sock).startswith(b"HTTP/1.1 200")
