@@ -62,12 +62,10 @@ def measure_plan(part, batch_images: int) -> EncoderPlan:
     if part.device.type != "cuda":
         return EncoderPlan(str(part.device), weights, None, MARGIN_BYTES, batch_images, None)
     adapter, config = part.adapter, part.model.config
-    shape = adapter.fixed_image_shape(config)
-    if shape is not None:
-        images = [ImageInput(torch.randn(shape, dtype=part.dtype), 0, f"plan-{i}") for i in range(batch_images)]
-    else:
-        codec = adapter.codec(adapter.load_processor(part.path), 0, part.dtype)
-        images, batch_images = adapter.dummy_images(codec, 1), 1
+    codec = adapter.codec(adapter.load_processor(part.path), 0, part.dtype)
+    if adapter.fixed_image_shape(config) is None:
+        batch_images = 1  # one image of max_pixels already exceeds a step's token budget
+    images = adapter.dummy_images(config, codec, batch_images)
     encode = adapter.vision_forward(part)
     with torch.inference_mode():
         _, _, peak = measure(CudaMeter(part.device), lambda: encode([_to(im, part.device) for im in images]))

@@ -66,7 +66,7 @@ class EncoderPool:
                  batch_images: int = 8, ray_address: str | None = None) -> None:
         if workers < 1:
             raise ValueError("an encoder pool needs at least one worker")
-        self.model_dir, self.device, self.dtype = str(model_dir), device, dtype
+        self.model_dir = str(model_dir)
         self.model_id, self.recipe_fingerprint, self.hidden = model_id, recipe_fingerprint, hidden
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.batch_images = batch_images  # the engine's vision batch: what each worker plans its peak for

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from fovea.model.loader import LoadedModel
-from fovea.models.base import pixel_hash  # noqa: F401 - re-exported
 
 
 def vision_modules(loaded: LoadedModel) -> tuple[torch.nn.Module, torch.nn.Module]:

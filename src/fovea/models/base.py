@@ -228,9 +228,14 @@ class ModelAdapter(ABC):
         """The one pixel shape every image has (towers of a fixed resolution), else None."""
         return None
 
-    @abstractmethod
-    def dummy_images(self, codec: PromptCodec, count: int, largest: bool = True) -> list[ImageInput]:
-        """``count`` random images of the largest size the processor produces (the memory profile)."""
+    def dummy_images(self, config: Any, codec: PromptCodec | None, count: int) -> list[ImageInput]:
+        """``count`` random images of the largest size the processor produces (memory profiles).
+        Fixed-resolution towers: their one shape; dynamic-resolution families override this."""
+        shape = self.fixed_image_shape(config)
+        if shape is None:
+            raise TypeError(f"{type(self).__name__} has no fixed image shape: it must override dummy_images")
+        dtype = codec.dtype if codec is not None else torch.float32
+        return [ImageInput(torch.randn(shape, dtype=dtype), 0, f"profile-{i}") for i in range(count)]
 
     @abstractmethod
     def widths(self, model: torch.nn.Module) -> WidthReport: ...

@@ -127,8 +127,6 @@ class LlavaAdapter(ModelAdapter):
         size = getattr(vision, "image_size", None)
         return (getattr(vision, "num_channels", 3), size, size) if size else None
 
-    def dummy_images(self, codec: PromptCodec, count: int, largest: bool = True) -> list[ImageInput]:
-        raise NotImplementedError("LLaVA's profile runs a stacked batch of its fixed shape (fixed_image_shape)")
 
     def widths(self, model: torch.nn.Module) -> WidthReport:
         config = model.config

@@ -240,7 +240,8 @@ class Qwen2_5_VLAdapter(ModelAdapter):
 
         return run
 
-    def dummy_images(self, codec: PromptCodec, count: int, largest: bool = True) -> list[ImageInput]:
+    def dummy_images(self, config: Any, codec: PromptCodec | None, count: int) -> list[ImageInput]:
+        assert codec is not None, "the largest image comes from the processor's max_pixels"
         ip = codec.image_processor
         patch, merge, temporal = int(ip.patch_size), int(ip.merge_size), int(ip.temporal_patch_size)
         side = int((pixel_bounds(ip)[1] ** 0.5) // (patch * merge)) * merge  # patches per side of the largest square

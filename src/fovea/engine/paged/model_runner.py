@@ -178,7 +178,8 @@ class ModelRunner:
             return None  # the encode workers hold the vision activations, not this process
         if self.fixed_image_shape is None:
             # The largest images the processor produces, as many as one vision call takes.
-            largest = self.loaded.adapter.dummy_images(self.loaded.codec, self.config.vision_batch_size)
+            largest = self.loaded.adapter.dummy_images(self.loaded.model.config, self.loaded.codec,
+                                                       self.config.vision_batch_size)
             batch = images.batches(largest)[0]
             return torch.cat(images.run(images.to_device(batch)))
         pixels = torch.randn((self.config.vision_batch_size, *self.fixed_image_shape),
