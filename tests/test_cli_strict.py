@@ -80,3 +80,9 @@ def test_a_gpu_share_on_a_cpu_device_is_refused_not_ignored(demo_model):
     with pytest.raises(MemoryPlanError, match="--gpu-memory-utilization applies to a GPU") as err:
         create_app(ServerSettings(device="cpu", canary=False, gpu_memory_utilization=0.5), loaded=demo_model)
     assert "--kv-cache-memory" in err.value.message
+
+
+def test_encode_worker_flags_without_e_pd_are_refused_not_ignored(capsys):
+    assert main(["serve", "--device", "cpu", "--no-canary", "--encode-workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "they need --topology e_pd" in err and "Traceback" not in err

@@ -64,12 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--topology", choices=["agg", "e_pd"], default="agg",
                        help="agg: one process runs everything; e_pd: the vision stage in encode-worker processes "
                             "that load only the vision weights (docs/disaggregation.md)")
-    serve.add_argument("--encode-workers", type=positive_int, default=1, help="e_pd: encode-worker processes")
+    serve.add_argument("--encode-workers", type=positive_int, default=None,
+                       help="e_pd: encode-worker processes (default 1)")
     serve.add_argument("--ray-address", default=None,
                        help="e_pd: run the encode workers as actors on this Ray cluster (host:port, or 'local' "
                             "to start one here); default: processes on this machine")
-    serve.add_argument("--encode-timeout", type=float, default=60.0,
-                       help="e_pd: seconds an encode worker may hold a batch before it is restarted")
+    serve.add_argument("--encode-timeout", type=float, default=None,
+                       help="e_pd: seconds an encode worker may hold a batch before it is restarted (default 60)")
     serve.add_argument("--max-batch-size", type=positive_int, default=None,
                        help="sequences decoded together (default: 256 on GPU, 16 on CPU)")
     serve.add_argument("--max-batched-tokens", type=positive_int, default=None,

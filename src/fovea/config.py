@@ -24,8 +24,8 @@ class ServerSettings:
     # "agg": the vision stage in this process; "e_pd": in encode_workers processes of their
     # own (fovea.disagg: vision weights only, verified hand-off), this one prefills and decodes.
     topology: str = "agg"
-    encode_workers: int = 1
-    encode_timeout_s: float = 60.0  # a worker that holds a batch longer is restarted
+    encode_workers: int | None = None  # e_pd; None: 1
+    encode_timeout_s: float | None = None  # e_pd: a worker that holds a batch longer is restarted; None: 60 s
     ray_address: str | None = None  # e_pd: encode workers as actors on this Ray cluster ("local": start one)
     max_batch_size: int | None = None  # sequences decoded together; None: 256 on a GPU, 16 on CPU
     # Tokens one paged-engine step may compute (prefill chunks + decodes); None: the engine's
@@ -64,11 +64,13 @@ class ServerSettings:
                              "drop --engine")
         if self.topology not in ("agg", "e_pd"):
             raise ValueError(f"--topology must be agg or e_pd, not {self.topology!r}")
-        if self.encode_workers < 1:
+        if self.topology == "agg" and (self.encode_workers is not None or self.encode_timeout_s is not None):
+            raise ValueError("--encode-workers and --encode-timeout place encode workers: they need --topology e_pd")
+        if self.encode_workers is not None and self.encode_workers < 1:
             raise ValueError("--encode-workers must be at least 1")
         if self.ray_address is not None and self.topology != "e_pd":
             raise ValueError("--ray-address places encode workers: it needs --topology e_pd")
-        if self.encode_timeout_s <= 0:
+        if self.encode_timeout_s is not None and self.encode_timeout_s <= 0:
             raise ValueError("--encode-timeout must be a positive number of seconds")
         if self.engine != "paged":
             raise ValueError(f"--engine must be 'paged', not {self.engine!r}")

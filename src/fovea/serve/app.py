@@ -70,10 +70,10 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     if settings.topology == "e_pd":
         from fovea.disagg.encoder_pool import EncoderPool
 
-        pool = EncoderPool(loaded.path, workers=settings.encode_workers, device=str(loaded.device),
+        pool = EncoderPool(loaded.path, workers=settings.encode_workers or 1, device=str(loaded.device),
                            dtype=str(loaded.dtype).removeprefix("torch."), model_id=contract.model_fingerprint,
                            recipe_fingerprint=contract.recipe_fingerprint, hidden=contract.lm_hidden,
-                           timeout_s=settings.encode_timeout_s, ray_address=settings.ray_address).start()
+                           timeout_s=settings.encode_timeout_s or 60.0, ray_address=settings.ray_address).start()
     engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
                                                    max_queue=settings.max_queue,
                                                    max_num_batched_tokens=settings.max_batched_tokens,
