@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "to start one here); default: processes on this machine")
     serve.add_argument("--encode-timeout", type=float, default=None,
                        help="e_pd: seconds an encode worker may hold a batch before it is restarted (default 60)")
+    serve.add_argument("--vision-batch-size", type=positive_int, default=None,
+                       help="images per vision forward (default 8); e_pd: the batch each encode worker "
+                            "measures its memory peak for, and the most images the pool sends it at once")
     serve.add_argument("--max-batch-size", type=positive_int, default=None,
                        help="sequences decoded together (default: 256 on GPU, 16 on CPU)")
     serve.add_argument("--max-batched-tokens", type=positive_int, default=None,
@@ -185,6 +188,7 @@ def serve(args: argparse.Namespace) -> int:
             model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             served_model_name=args.served_model_name, engine=args.engine, topology=args.topology,
             encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, ray_address=args.ray_address,
+            vision_batch_size=args.vision_batch_size,
             max_batch_size=args.max_batch_size,
             max_batched_tokens=args.max_batched_tokens, step_overlap=args.step_overlap,
             fused_vision=args.fused_vision, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -27,6 +27,7 @@ class ServerSettings:
     encode_workers: int | None = None  # e_pd; None: 1
     encode_timeout_s: float | None = None  # e_pd: a worker that holds a batch longer is restarted; None: 60 s
     ray_address: str | None = None  # e_pd: encode workers as actors on this Ray cluster ("local": start one)
+    vision_batch_size: int | None = None  # images per vision forward (e_pd: per encode-worker batch); None: 8
     max_batch_size: int | None = None  # sequences decoded together; None: 256 on a GPU, 16 on CPU
     # Tokens one paged-engine step may compute (prefill chunks + decodes); None: the engine's
     # default (8192 on CUDA, 512 on CPU). Larger: faster bursts, longer gaps between tokens.
@@ -74,6 +75,8 @@ class ServerSettings:
             raise ValueError("--encode-timeout must be a positive number of seconds")
         if self.engine != "paged":
             raise ValueError(f"--engine must be 'paged', not {self.engine!r}")
+        if self.vision_batch_size is not None and self.vision_batch_size < 1:
+            raise ValueError("--vision-batch-size must be at least 1")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError("--max-batch-size must be at least 1")
         if self.max_queue < 1:

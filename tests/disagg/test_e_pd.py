@@ -141,3 +141,17 @@ def test_the_pool_refuses_embeddings_from_other_vision_weights(demo_model):
         assert info.value.reason == "vision_weights"
     finally:
         pool.stop()
+
+
+def test_a_worker_killed_between_batches_is_restarted_without_traffic(e_pd):
+    before = sum(w["restarts"] for w in health(e_pd)["encode_workers"])
+    os.kill(health(e_pd)["encode_workers"][1]["pid"], signal.SIGKILL)
+    workers = _wait_ready(e_pd, before + 1)  # no request is sent meanwhile: the supervisor notices
+    assert workers[1]["restarts"] >= 1
+
+
+def test_the_metrics_count_each_images_hand_off(e_pd):
+    text = httpx.get(e_pd.base_url + "/metrics", timeout=30).text
+    count = next(float(line.split()[1]) for line in text.splitlines()
+                 if line.startswith("fovea_embedding_handoff_seconds_count"))
+    assert count >= 256  # the 256 concurrent requests' images at least, each measured

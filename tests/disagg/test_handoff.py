@@ -63,7 +63,7 @@ def test_same_grid_other_image_is_refused():
 
 def test_corrupted_or_truncated_bytes_are_refused():
     header, payload = sealed(ROWS)
-    flipped = bytearray(payload)
+    flipped = bytearray(payload.numpy().tobytes())
     flipped[7] ^= 0x10
     with pytest.raises(HandoffMismatch) as info:
         open_rows(header, bytes(flipped), expectation())

@@ -1,7 +1,9 @@
 """How the encoder pool reaches one encode worker: a local process on a pipe, or a Ray actor.
 
-A channel starts its worker, waits for its ready frame, carries one batch at a time (bytes in,
-bytes out, within a timeout) and ends it. ``WorkerLost`` means the worker died or hung: the
+A channel starts its worker, waits for its ready frame, carries one batch at a time (``wire``
+items in, items out, within a timeout) and ends it. The local one carries tensors in shared
+memory it owns (pixels out, embeddings back); the items it returns may be views of it, valid
+until its next round trip. ``WorkerLost`` means the worker died or hung: the
 pool restarts it and sends the batch elsewhere.
 """
 
@@ -10,7 +12,8 @@ from __future__ import annotations
 import multiprocessing
 import threading
 
-from fovea.disagg import encode_worker
+from fovea.disagg import encode_worker, wire
+from fovea.disagg.shared_segment import OwnedSegment
 
 
 class WorkerLost(Exception):
@@ -20,7 +23,10 @@ class WorkerLost(Exception):
 class PipeChannel:
     """A spawned process on this machine (no CUDA state or threads inherited), frames on a pipe."""
 
-    def __init__(self, index: int, model_dir: str, device: str, dtype: str, batch_images: int) -> None:
+    def __init__(self, index: int, model_dir: str, device: str, dtype: str, batch_images: int,
+                 pin: bool = False) -> None:
+        """``pin``: register the segments with CUDA (this side copies them to or from a GPU)."""
+        self.outgoing, self.incoming = OwnedSegment(pin), OwnedSegment(pin)
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe(duplex=True)
         self.process = context.Process(target=encode_worker.worker_main, name=f"fovea-encode-{index}",
@@ -37,14 +43,24 @@ class PipeChannel:
     def alive(self) -> bool:
         return self.process.is_alive()
 
-    def round_trip(self, request: bytes, timeout: float) -> bytes:
-        self._send(request, timeout)
+    def round_trip(self, items: list[wire.Item], reply_bytes: int, timeout: float) -> list[wire.Item]:
+        """``items`` (the first one the batch item) to the worker, its reply back. ``reply_bytes``
+        sizes the reply segment: what the embeddings the batch expects take."""
+        incoming = self.incoming.ensure(reply_bytes)
+        items = [({**items[0][0], "reply": incoming.name}, None), *items[1:]]
+        self._send(wire.encode(items, self.outgoing.ensure(wire.tensor_bytes(items))), timeout)
         try:
             if not self.conn.poll(timeout):
                 raise WorkerLost(f"did not answer within {timeout:.1f} s")
-            return self.conn.recv_bytes()
+            reply = self.conn.recv_bytes()
         except (EOFError, OSError) as exc:
             raise WorkerLost(f"died ({type(exc).__name__})") from exc
+        return wire.decode(reply, self._segment)
+
+    def _segment(self, name: str):
+        if self.incoming.segment is None or name != self.incoming.segment.name:
+            raise ValueError(f"the worker wrote to segment {name!r}, not the one this batch gave it")
+        return self.incoming.segment
 
     def _send(self, request: bytes, timeout: float) -> None:
         """Write the batch within the timeout: a frame larger than the pipe's buffer blocks
@@ -70,3 +86,5 @@ class PipeChannel:
             self.process.kill()
             self.process.join(timeout=10)
         self.conn.close()
+        self.outgoing.close()
+        self.incoming.close()

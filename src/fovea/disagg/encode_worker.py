@@ -1,62 +1,52 @@
 """The encode worker: a process that holds a model's vision part alone and encodes images.
 
 It loads the tower and projector through the family's adapter (``model.vision_part``: no
-language-model tensor is read), then answers requests on a pipe. A request is one frame
-per image (its preprocessed pixels, raw, with a JSON header: batch id, content hash, dtype,
-shape, grid, token count); the reply is one sealed embedding frame per image
-(``handoff.seal``), or an error frame. Nothing is pickled: frames are bytes.
+language-model tensor is read), then answers batches (``wire`` messages). A batch is a batch
+item (where the reply goes) and one item per image: its preprocessed pixels with a JSON meta
+(batch id, content hash, recipe, dtype, shape, grid, token count). The reply is a batch item
+(its timings) and one sealed embedding per image (``handoff.seal_many``: header fields and a
+checksum computed on the GPU), or an error item. On one host the tensors cross in shared
+memory that the pool owns; through Ray they are inline bytes. Nothing is pickled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import struct
+import time
 import traceback
 from multiprocessing.connection import Connection
 
 import torch
 
+from fovea.disagg import wire
 from fovea.disagg.encoder_plan import MARGIN_BYTES, EncoderPlan, refuse_unless_fits
-from fovea.disagg.handoff import DTYPES, pack, seal, to_frame, unpack, vision_fingerprint
+from fovea.disagg.handoff import DTYPES, as_bytes, pack, seal_many, vision_fingerprint
 from fovea.models.base import ImageInput
 
-READY, ERROR = "ready", "error"
+READY, ERROR, BATCH = "ready", "error", "batch"
 
 
-def pack_many(frames: list[bytes]) -> bytes:
-    return struct.pack("<I", len(frames)) + b"".join(struct.pack("<I", len(f)) + f for f in frames)
-
-
-def unpack_many(data: bytes) -> list[bytes]:
-    (count,), offset, out = struct.unpack("<I", data[:4]), 4, []
-    for _ in range(count):
-        (length,) = struct.unpack("<I", data[offset:offset + 4])
-        out.append(data[offset + 4:offset + 4 + length])
-        offset += 4 + length
-    if offset != len(data):
-        raise ValueError(f"{len(data) - offset} stray bytes after {count} frames")
-    return out
-
-
-def image_frame(batch_id: str, image: ImageInput, recipe_fp: str) -> bytes:
+def image_item(batch_id: str, image: ImageInput, recipe_fp: str) -> wire.Item:
     data = image.pixels.detach().to("cpu").contiguous()
     meta = {"batch": batch_id, "hash": image.hash, "recipe": recipe_fp, "dtype": str(data.dtype).removeprefix("torch."),
             "shape": list(data.shape), "grid": list(image.grid) if image.grid else None, "tokens": image.num_tokens}
-    return pack(meta, data.view(-1).view(torch.uint8).numpy().tobytes())
+    return meta, as_bytes(data)
 
 
-def read_image(frame: bytes) -> tuple[dict, ImageInput]:
-    meta, payload = unpack(frame)
-    dtype = DTYPES[meta["dtype"]]
-    pixels = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(*meta["shape"])
+def read_image(meta: dict, data: torch.Tensor, device: torch.device) -> ImageInput:
+    pixels = data.view(DTYPES[meta["dtype"]]).view(*meta["shape"]).to(device, non_blocking=True)
     grid = tuple(meta["grid"]) if meta["grid"] else None
-    return meta, ImageInput(pixels, int(meta["tokens"]), meta["hash"], grid)
+    return ImageInput(pixels, int(meta["tokens"]), meta["hash"], grid)
 
 
-def measure_plan(part, batch_images: int) -> EncoderPlan:
+def measure_plan(service: EncodeService, batch_images: int) -> EncoderPlan:
     """The worker's plan: its weights, and on CUDA the measured peak of its largest batch (the
-    tower's fixed size x ``batch_images``, or one image of the processor's max_pixels)."""
+    tower's fixed size x ``batch_images``, or one image of the processor's max_pixels),
+    sealing included (the checksum's temporaries live on the GPU too)."""
     from fovea.engine.paged.memory_profile import CudaMeter, measure, tensor_bytes
+
+    part = service.part
 
     weights = tensor_bytes(part.model)
     if part.device.type != "cuda":
@@ -66,18 +56,23 @@ def measure_plan(part, batch_images: int) -> EncoderPlan:
     if adapter.fixed_image_shape(config) is None:
         batch_images = 1  # one image of max_pixels already exceeds a step's token budget
     images = adapter.dummy_images(config, codec, batch_images)
-    encode = adapter.vision_forward(part)
-    with torch.inference_mode():
-        _, _, peak = measure(CudaMeter(part.device), lambda: encode([_to(im, part.device) for im in images]))
+    metas = [{"batch": "plan", "recipe": ""}] * len(images)
+    _, _, peak = measure(CudaMeter(part.device), lambda: service.encode_and_seal(
+        [(meta, _to(image, part.device)) for meta, image in zip(metas, images, strict=True)]))
     plan = EncoderPlan(str(part.device), weights, peak, MARGIN_BYTES, batch_images, part.free_before_bytes)
     if plan.free_bytes is not None:
         refuse_unless_fits(plan.need_bytes, plan.free_bytes, plan.render())
+    # Hold the worker to its plan: past it, a batch fails with out-of-memory here instead of
+    # taking memory the prefill/decode worker sharing this GPU counts on.
+    total = torch.cuda.get_device_properties(part.device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, plan.need_bytes / total), part.device)
     return plan
 
 
 class EncodeService:
-    """What an encode worker does, whatever carries its frames (a pipe here, Ray's object store
-    across machines: ``ray_workers``). Built once: loads the vision part and measures its plan.
+    """What an encode worker does, whatever carries its messages (a pipe and shared memory here,
+    Ray's object store across machines: ``ray_workers``). Built once: loads the vision part and
+    measures its plan.
 
     The model id is the worker's own reading of its directory; the recipe fingerprint is the
     one the pixels were preprocessed with, sent with them and returned with their rows."""
@@ -88,9 +83,9 @@ class EncodeService:
 
         self.part = load_vision_part(model_dir, device, dtype)
         self.model_id = directory_fingerprint(self.part.path)
-        self.plan = measure_plan(self.part, batch_images)
         self.encode = self.part.adapter.vision_forward(self.part)
         self.fingerprint = vision_fingerprint(self.part.adapter.vision_modules(self.part.model))
+        self.plan = measure_plan(self, batch_images)
 
     def ready_frame(self) -> bytes:
         part = self.part
@@ -98,22 +93,52 @@ class EncodeService:
                      "parameters": part.parameters, "load_seconds": part.load_seconds,
                      "plan": self.plan.to_dict(), "plan_text": self.plan.render()}, b"")
 
-    def handle(self, request: bytes) -> bytes:
-        """One batch: image frames in, sealed embedding frames (or one error frame) out."""
+    def encode_and_seal(self, images: list[tuple[dict, ImageInput]]) -> tuple[list[wire.Item], float, float]:
+        """Rows for each image, sealed: (items, forward seconds, seal seconds)."""
+        cuda = self.part.device.type == "cuda"
+        started = time.perf_counter()
+        with torch.inference_mode():
+            rows = self.encode([image for _, image in images])
+            if cuda:
+                torch.cuda.synchronize(self.part.device)
+            encoded = time.perf_counter()
+            metas = [{"request_id": meta["batch"], "image_hash": image.hash, "model_id": self.model_id,
+                      "vision_fingerprint": self.fingerprint, "recipe_fingerprint": meta["recipe"],
+                      "grid": image.grid} for meta, image in images]
+            sealed = seal_many(list(rows), metas)
+        items = [(dataclasses.asdict(header), data) for header, data in sealed]
+        return items, encoded - started, time.perf_counter() - encoded
+
+    def handle(self, request: bytes, segments: wire.Attachments | None = None) -> bytes:
+        """One batch: a message of images in, a message of sealed embeddings (or one error) out.
+        With ``segments`` the reply's tensors go into the pool's reply segment."""
         try:
-            images = [read_image(frame) for frame in unpack_many(request)]
-            with torch.inference_mode():
-                rows = self.encode([_to(image, self.part.device) for _, image in images])
-            return pack_many([to_frame(*seal(r, request_id=meta["batch"], image_hash=image.hash,
-                                             model_id=self.model_id, vision_fp=self.fingerprint,
-                                             recipe_fp=meta["recipe"], grid=image.grid))
-                              for (meta, image), r in zip(images, rows, strict=True)])
+            started = time.perf_counter()
+            items = wire.decode(request, segments)
+            batch, images = items[0][0], items[1:]
+            if batch.get("kind") != BATCH:
+                raise ValueError("a batch message starts with its batch item")
+            images = [(meta, read_image(meta, data, self.part.device)) for meta, data in images]
+            read = time.perf_counter() - started
+            rows, encode_s, seal_s = self.encode_and_seal(images)
+            reply_segment = segments(batch["reply"]) if segments is not None and batch.get("reply") else None
+            head = {"kind": BATCH, "read_s": read, "encode_s": encode_s, "seal_s": seal_s,
+                    "peak_reserved_bytes": _peak_reserved(self.part.device)}
+            return wire.encode([(head, None), *rows], reply_segment)
         except Exception as exc:  # noqa: BLE001 - one bad batch is answered, the worker goes on
-            return pack_many([error_frame(exc, traceback.format_exc()[-2000:])])
+            return wire.encode([error_item(exc, traceback.format_exc()[-2000:])])
+
+
+def _peak_reserved(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+
+
+def error_item(exc: BaseException, trace: str = "") -> wire.Item:
+    return {"kind": ERROR, "message": f"{type(exc).__name__}: {exc}", "trace": trace}, None
 
 
 def error_frame(exc: BaseException, trace: str = "") -> bytes:
-    return pack({"kind": ERROR, "message": f"{type(exc).__name__}: {exc}", "trace": trace}, b"")
+    return pack(error_item(exc, trace)[0], b"")
 
 
 def worker_main(conn: Connection, model_dir: str, device: str, dtype: str, batch_images: int = 8) -> None:
@@ -124,13 +149,15 @@ def worker_main(conn: Connection, model_dir: str, device: str, dtype: str, batch
     except Exception as exc:  # noqa: BLE001 - the parent reports why the worker could not start
         conn.send_bytes(error_frame(exc))
         return
+    segments = wire.Attachments(pin=service.part.device.type == "cuda")
     conn.send_bytes(service.ready_frame())
     while True:
         try:
             request = conn.recv_bytes()
         except (EOFError, OSError):
+            segments.close()
             return
-        conn.send_bytes(service.handle(request))
+        conn.send_bytes(service.handle(request, segments))
 
 
 def _to(image: ImageInput, device: torch.device) -> ImageInput:

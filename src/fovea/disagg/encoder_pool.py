@@ -20,7 +20,9 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,7 +31,8 @@ import torch
 
 from fovea.disagg import encode_worker
 from fovea.disagg.channels import PipeChannel, WorkerLost
-from fovea.disagg.handoff import Expectation, HandoffMismatch, from_frame, open_rows, unpack
+from fovea.disagg.handoff import Expectation, HandoffMismatch, check_header, header_from, land_each, unpack
+from fovea.disagg.shared_segment import aligned
 from fovea.errors import FoveaError
 from fovea.models.base import ImageInput
 
@@ -37,6 +40,10 @@ if TYPE_CHECKING:
     from fovea.disagg.ray_workers import RayChannel
 
 log = logging.getLogger("fovea.disagg")
+
+
+SUPERVISE_S = 0.5  # how often the pool looks for workers that died between batches
+RETRY_FAILED_S = 5.0  # how long a worker whose restart failed waits before the next try
 
 
 class EncoderUnavailable(FoveaError):
@@ -53,17 +60,23 @@ class WorkerHandle:
     batches: int = 0
     vision_fingerprint: str = ""
     plan: dict | None = None  # its memory plan (encoder_plan.EncoderPlan), as it reported it
+    peak_reserved_bytes: int | None = None  # torch's peak reserved bytes there, after its last batch (CUDA)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    restarting: bool = False
+    failed_at: float = 0.0
 
     def status(self) -> dict:
         return {"index": self.index, "pid": self.pid, "state": self.state, "restarts": self.restarts,
-                "batches": self.batches, "plan": self.plan}
+                "batches": self.batches, "plan": self.plan, "peak_reserved_bytes": self.peak_reserved_bytes}
 
 
 class EncoderPool:
     def __init__(self, model_dir: str | Path, *, workers: int, device: str, dtype: str, model_id: str,
                  recipe_fingerprint: str, hidden: int, timeout_s: float = 60.0, start_timeout_s: float = 300.0,
-                 batch_images: int = 8, ray_address: str | None = None) -> None:
+                 batch_images: int = 8, ray_address: str | None = None, pd_device: str = "cpu",
+                 on_handoff: Callable[[float, int], None] | None = None) -> None:
+        """``pd_device``: where the verified rows land (the prefill/decode model's device).
+        ``on_handoff(seconds per image, images)``: each batch's hand-off cost."""
         if workers < 1:
             raise ValueError("an encoder pool needs at least one worker")
         self.model_dir = str(model_dir)
@@ -71,7 +84,8 @@ class EncoderPool:
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.batch_images = batch_images  # the engine's vision batch: what each worker plans its peak for
         if ray_address is None:
-            self.open_channel = lambda index: PipeChannel(index, self.model_dir, device, dtype, batch_images)
+            pin = torch.device(pd_device).type == "cuda"
+            self.open_channel = lambda index: PipeChannel(index, self.model_dir, device, dtype, batch_images, pin)
         else:
             from fovea.disagg.ray_workers import RayChannel, connect
 
@@ -80,8 +94,16 @@ class EncoderPool:
         self.workers = [WorkerHandle(i) for i in range(workers)]
         self.vision_fingerprint = ""
         self._pick = threading.Lock()
-        # Encodes submitted ahead of the engine's step (at admission), one thread per worker.
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fovea-encode-client")
+        self.device = torch.device(pd_device)
+        self.on_handoff = on_handoff
+        # Encodes submitted ahead of the engine's step (at admission), sent by one client
+        # thread per worker.
+        self._pending: deque[tuple[list[ImageInput], Future]] = deque()
+        self._pending_ready = threading.Condition()
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._clients = [threading.Thread(target=self._dispatch, name=f"fovea-encode-client-{i}", daemon=True)
+                         for i in range(workers)]
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> EncoderPool:
@@ -94,16 +116,21 @@ class EncoderPool:
             raise FoveaError(f"the encode workers loaded different vision weights (fingerprints {sorted(prints)})")
         self.vision_fingerprint = prints.pop()
         log.info("%d encode worker(s) ready (vision fingerprint %s)", len(self.workers), self.vision_fingerprint)
+        for client in self._clients:
+            client.start()
+        threading.Thread(target=self._supervise, name="fovea-encode-supervisor", daemon=True).start()
         return self
 
     def stop(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self._stopped.set()
+        with self._pending_ready:
+            self._stopping = True
+            for _, future in self._pending:
+                future.cancel()
+            self._pending.clear()
+            self._pending_ready.notify_all()
         for worker in self.workers:
             self._end(worker, "stopped")
-
-    def submit(self, images: list[ImageInput]) -> Future:
-        """``encode(images)`` on a client thread: the engine goes on stepping meanwhile."""
-        return self.executor.submit(self.encode, images)
 
     def _spawn(self, worker: WorkerHandle) -> None:
         worker.channel = self.open_channel(worker.index)
@@ -128,15 +155,41 @@ class EncoderPool:
             worker.channel.close()
         worker.channel, worker.state = None, state
 
+    def _begin_restart(self, worker: WorkerHandle, why: str) -> None:
+        """Restart ``worker`` in the background, once however many notice it is gone."""
+        with self._pick:
+            if worker.restarting or self._stopping:
+                return
+            worker.restarting, worker.state = True, "dead"
+        threading.Thread(target=self._restart, args=(worker, why), name=f"fovea-encode-restart-{worker.index}",
+                         daemon=True).start()
+
     def _restart(self, worker: WorkerHandle, why: str) -> None:
         log.warning("encode worker %d (pid %s) %s: restarting it", worker.index, worker.pid, why)
-        self._end(worker, "dead")
-        worker.restarts += 1
         try:
+            self._end(worker, "dead")
+            worker.restarts += 1
             self._spawn(worker)
             self._await_ready(worker)
         except FoveaError as exc:
-            log.error("encode worker %d could not be restarted: %s", worker.index, exc)
+            log.error("encode worker %d could not be restarted (tried again in %.0f s): %s", worker.index,
+                      RETRY_FAILED_S, exc)
+            worker.failed_at = time.monotonic()
+        finally:
+            worker.restarting = False
+
+    def _supervise(self) -> None:
+        """Restart workers that died between batches (no batch would find out), and retry those
+        whose restart failed (a GPU that was full may have room now)."""
+        while not self._stopped.wait(SUPERVISE_S):
+            for worker in self.workers:
+                if worker.restarting:
+                    continue
+                # "dead" too: status() marks a worker it finds gone, for /health, before this does.
+                if worker.state in ("ready", "dead") and (worker.channel is None or not worker.channel.alive()):
+                    self._begin_restart(worker, "died between batches")
+                elif worker.state == "failed" and time.monotonic() - worker.failed_at > RETRY_FAILED_S:
+                    self._begin_restart(worker, "failed to start earlier")
 
     def status(self) -> list[dict]:
         for worker in self.workers:
@@ -154,10 +207,22 @@ class EncoderPool:
         return None
 
     def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
-        """Each image's verified rows (host tensors), from a worker; retried once elsewhere."""
+        """Each image's verified rows on the pool's device, from a worker; retried once elsewhere.
+        Raises the first image's refusal (see ``encode_each`` for one outcome per image)."""
+        out = self.encode_each(images)
+        for result in out:
+            if isinstance(result, BaseException):
+                raise result
+        return out
+
+    def encode_each(self, images: list[ImageInput]) -> list[torch.Tensor | BaseException]:
+        """One outcome per image: its verified rows, or why it was refused (a mismatch fails
+        that image only). A batch no worker could encode raises ``EncoderUnavailable``."""
         batch_id = uuid.uuid4().hex
-        request = encode_worker.pack_many([encode_worker.image_frame(batch_id, image, self.recipe_fingerprint)
-                                           for image in images])
+        items = [({"kind": encode_worker.BATCH}, None),
+                 *(encode_worker.image_item(batch_id, image, self.recipe_fingerprint) for image in images)]
+        itemsize = images[0].pixels.element_size() if images else 0
+        reply_bytes = sum(aligned(image.num_tokens * self.hidden * itemsize) for image in images)
         tried: set[int] = set()
         deadline = time.monotonic() + 2 * self.timeout_s
         last = "no encode worker is ready"
@@ -167,44 +232,104 @@ class EncoderPool:
                 # Every worker is busy, restarting or tried: wait a little for one.
                 if all(w.state in ("dead", "failed") or w.index in tried for w in self.workers):
                     break
-                time.sleep(0.005)
+                time.sleep(0.002)
                 continue
             tried.add(worker.index)
+            started = time.perf_counter()
             try:
-                reply = self._round_trip(worker, request)
+                if worker.channel is None:
+                    raise WorkerLost("is not running")
+                reply = worker.channel.round_trip(items, reply_bytes, self.timeout_s)
+                # The reply may be views of the worker's reply segment: verified and copied out
+                # before the worker can take another batch.
+                out = self._verify(reply, batch_id, images)
             except WorkerLost as lost:
                 last = f"worker {worker.index} {lost}"
                 worker.state = "dead"  # not chosen again until the restart has it ready
                 worker.lock.release()
-                threading.Thread(target=self._restart, args=(worker, str(lost)), daemon=True).start()
+                self._begin_restart(worker, str(lost))
                 continue
+            except BaseException:
+                worker.state = "ready"
+                worker.lock.release()
+                raise
             worker.state, worker.batches = "ready", worker.batches + 1
+            worker.peak_reserved_bytes = reply[0][0].get("peak_reserved_bytes")
             worker.lock.release()
-            return self._verify(reply, batch_id, images)
+            self._observe(reply[0][0], time.perf_counter() - started, len(images))
+            return out
         raise EncoderUnavailable(f"no encode worker could encode {len(images)} image(s): {last}; retry shortly")
 
-    def _round_trip(self, worker: WorkerHandle, request: bytes) -> bytes:
-        if worker.channel is None:
-            raise WorkerLost("is not running")
-        return worker.channel.round_trip(request, self.timeout_s)
+    def _observe(self, batch: dict, seconds: float, images: int) -> None:
+        """The hand-off's cost: the round trip less the worker's vision forward, per image
+        (pixels out, embeddings sealed, back, landed on the device and verified)."""
+        if images and self.on_handoff is not None and "encode_s" in batch:
+            self.on_handoff(max(0.0, seconds - float(batch["encode_s"])) / images, images)
 
-    def _verify(self, reply: bytes, batch_id: str, images: list[ImageInput]) -> list[torch.Tensor]:
-        frames = encode_worker.unpack_many(reply)
-        if len(frames) == 1 and len(images) != 1 or not frames:
-            meta, _ = unpack(frames[0]) if frames else ({}, b"")
-            raise FoveaError(f"the encode worker failed: {meta.get('message', 'an empty reply')}")
-        if len(frames) != len(images):
-            raise HandoffMismatch("frame", f"{len(frames)} embeddings for {len(images)} images")
-        out = []
-        for frame, image in zip(frames, images, strict=True):
-            meta, _ = unpack(frame)
-            if meta.get("kind") == encode_worker.ERROR:
-                raise FoveaError(f"the encode worker failed: {meta.get('message')}")
-            header, payload = from_frame(frame)
-            out.append(open_rows(header, payload, Expectation(
+    def _verify(self, reply: list, batch_id: str, images: list[ImageInput]) -> list[torch.Tensor | BaseException]:
+        head = reply[0][0] if reply else {}
+        if head.get("kind") == encode_worker.ERROR:
+            raise FoveaError(f"the encode worker failed: {head.get('message')}")
+        if head.get("kind") != encode_worker.BATCH or len(reply) - 1 != len(images):
+            raise HandoffMismatch("frame", f"{len(reply) - 1} embeddings for {len(images)} images")
+        out: list[torch.Tensor | BaseException | None] = [None] * len(images)
+        sound = []
+        for index, ((fields, data), image) in enumerate(zip(reply[1:], images, strict=True)):
+            want = Expectation(
                 request_id=batch_id, image_hash=image.hash, model_id=self.model_id,
                 vision_fingerprint=self.vision_fingerprint, recipe_fingerprint=self.recipe_fingerprint,
                 dtype=str(image.pixels.dtype).removeprefix("torch."), hidden=self.hidden, tokens=image.num_tokens,
-                grid=image.grid)))
-        return out
+                grid=image.grid)
+            try:
+                header = header_from(fields)
+                check_header(header, want)
+                sound.append((index, header, b"" if data is None else data))
+            except HandoffMismatch as exc:
+                out[index] = exc
+        landed = land_each([(h, d) for _, h, d in sound], self.device)
+        for (index, _, _), rows in zip(sound, landed, strict=True):
+            out[index] = rows
+        return out  # type: ignore[return-value]
 
+    # ---- ahead of the step: batched submissions -----------------------------------------
+    def submit(self, images: list[ImageInput]) -> Future:
+        """Encode ``images`` on a client thread while the engine goes on stepping. Submissions
+        that wait while every worker is busy are sent together, up to ``batch_images`` images
+        (the batch the workers planned their peak for), so one request's image per call does
+        not mean one image per vision forward under load."""
+        future: Future = Future()
+        with self._pending_ready:
+            self._pending.append((images, future))
+            self._pending_ready.notify()
+        return future
+
+    def _dispatch(self) -> None:
+        while True:
+            with self._pending_ready:
+                while not self._pending and not self._stopping:
+                    self._pending_ready.wait()
+                if self._stopping:
+                    return
+                taken, count = [], 0
+                while self._pending and (not taken or count + len(self._pending[0][0]) <= self.batch_images):
+                    images, future = self._pending.popleft()
+                    if future.set_running_or_notify_cancel():
+                        taken.append((images, future))
+                        count += len(images)
+            if not taken:
+                continue
+            try:
+                results = self.encode_each([image for images, _ in taken for image in images])
+            except BaseException as exc:  # noqa: BLE001 - each waiting request is told why
+                for _, future in taken:
+                    future.set_exception(exc)
+                continue
+            start = 0
+            for images, future in taken:
+                mine = results[start:start + len(images)]
+                start += len(images)
+                refused = next((r for r in mine if isinstance(r, BaseException)), None)
+                if refused is not None:
+                    future.set_exception(refused)
+                else:
+                    future.set_result(mine)

@@ -1,7 +1,7 @@
 """Encode workers as Ray actors, on an existing Ray cluster (``--ray-address``) or a local one.
 
-The actor hosts the same ``EncodeService`` as a local worker process; frames travel as bytes
-through Ray's object store (never pickled tensors). A dead actor surfaces as ``WorkerLost``,
+The actor hosts the same ``EncodeService`` as a local worker process; messages travel as bytes
+through Ray's object store, tensors inline (never pickled). A dead actor surfaces as ``WorkerLost``,
 and one that does not answer within the timeout is killed: the pool restarts both.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from fovea.disagg import wire
 from fovea.disagg.channels import WorkerLost
 from fovea.errors import FoveaError
 
@@ -94,8 +95,9 @@ class RayChannel:
     def alive(self) -> bool:
         return True  # a dead actor shows at its next batch (RayActorError)
 
-    def round_trip(self, request: bytes, timeout: float) -> bytes:
-        return self._get(self.actor.handle.remote(request), timeout)
+    def round_trip(self, items: list[wire.Item], reply_bytes: int, timeout: float) -> list[wire.Item]:
+        """Tensors inline: the message is bytes in the object store."""
+        return wire.decode(self._get(self.actor.handle.remote(wire.encode(items)), timeout))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # already gone

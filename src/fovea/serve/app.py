@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from fovea import __version__
 from fovea.config import SWITCH, ServerSettings
 from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine.paged.config import VISION_BATCH
 from fovea.engine.paged.memory_plan import check_weights_fit
 from fovea.errors import FoveaError
 from fovea.guard.memory import estimate_weight_bytes
@@ -67,13 +68,16 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                       lambda: getattr(engine, "oom_recoveries", 0))
     on_vision = lambda s: metrics.vision_latency.observe(1000 * s)
     pool = None
+    vision_batch = settings.vision_batch_size or VISION_BATCH
     if settings.topology == "e_pd":
         from fovea.disagg.encoder_pool import EncoderPool
 
         pool = EncoderPool(loaded.path, workers=settings.encode_workers or 1, device=str(loaded.device),
                            dtype=str(loaded.dtype).removeprefix("torch."), model_id=contract.model_fingerprint,
                            recipe_fingerprint=contract.recipe_fingerprint, hidden=contract.lm_hidden,
-                           timeout_s=settings.encode_timeout_s or 60.0, ray_address=settings.ray_address).start()
+                           timeout_s=settings.encode_timeout_s or 60.0, ray_address=settings.ray_address,
+                           batch_images=vision_batch, pd_device=str(loaded.device),
+                           on_handoff=metrics.observe_handoff).start()
     engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
                                                    max_queue=settings.max_queue,
                                                    max_num_batched_tokens=settings.max_batched_tokens,
@@ -81,7 +85,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                                                    fused_vision=SWITCH[settings.fused_vision],
                                                    gpu_memory_utilization=settings.gpu_memory_utilization,
                                                    kv_cache_memory=settings.kv_cache_memory,
-                                                   max_model_len=settings.max_model_len),
+                                                   max_model_len=settings.max_model_len,
+                                                   vision_batch_size=vision_batch),
                          on_vision_seconds=on_vision, remote_encoder=pool)
     state = ServerState.build(settings, loaded, engine, contract, metrics)
 

@@ -15,6 +15,7 @@ MODALITY_CODES = frozenset({
 })
 _MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 _S_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_HANDOFF_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 _TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
 
 
@@ -54,6 +55,10 @@ class Metrics:
                               buckets=_S_BUCKETS, registry=r)
         self.tpot = Histogram("fovea_time_per_output_token_seconds", "mean time per output token after the first",
                               buckets=_TPOT_BUCKETS, registry=r)
+        self.handoff = Histogram("fovea_embedding_handoff_seconds",
+                                 "e_pd: per image, an encode worker's round trip less its vision forward (pixels "
+                                 "out, embeddings sealed, back, landed on the device and verified)",
+                                 buckets=_HANDOFF_BUCKETS, registry=r)
         self.queue = Gauge("fovea_queue_depth", "requests waiting for the engine", registry=r)
         self.queue.set_function(lambda: float(queue_depth()))
         self.canary_ok = Gauge("fovea_canary_status", "1 when the grounding canary last passed, 0 when it failed, "
@@ -69,6 +74,10 @@ class Metrics:
             self.ttft.observe(first_token_s)
             if completion_tokens > 1:
                 self.tpot.observe((total_s - first_token_s) / (completion_tokens - 1))
+
+    def observe_handoff(self, seconds_per_image: float, images: int) -> None:
+        for _ in range(images):
+            self.handoff.observe(seconds_per_image)
 
     def observe_error_code(self, code: str) -> None:
         if code in MODALITY_CODES:

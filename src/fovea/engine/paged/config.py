@@ -23,6 +23,9 @@ class SettingsError(FoveaError):
     status, code, type = 500, "invalid_settings", "server_error"
 
 
+VISION_BATCH = 8  # images per vision forward unless configured
+
+
 @dataclass(slots=True)
 class PagedEngineConfig:
     block_size: int = 16
@@ -55,7 +58,7 @@ class PagedEngineConfig:
     # (scheduling, input building, emitting) overlaps the GPU's. None: on CUDA for models of
     # at least GPU_MODEL_MIN_PARAMETERS (see there).
     overlap_steps: bool | None = None
-    vision_batch_size: int = 8  # images per vision-tower call: bounds the encoder's activation peak
+    vision_batch_size: int = VISION_BATCH  # images per vision-tower call: bounds the encoder's activation peak
     cpu_threads: int | None = None  # as EngineConfig.cpu_threads: all cores but one by default
     encoder_cache_bytes: int = 256 * MiB
 
