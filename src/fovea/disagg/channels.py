@@ -15,6 +15,10 @@ import threading
 from fovea.disagg import encode_worker, wire
 from fovea.disagg.shared_segment import OwnedSegment
 
+# Linux's pipe buffer is 64 KiB; one batch is in flight per worker, so the pipe is empty when
+# a batch is sent and a message this small cannot block.
+SMALL_MESSAGE_BYTES = 32 * 1024
+
 
 class WorkerLost(Exception):
     pass
@@ -24,13 +28,13 @@ class PipeChannel:
     """A spawned process on this machine (no CUDA state or threads inherited), frames on a pipe."""
 
     def __init__(self, index: int, model_dir: str, device: str, dtype: str, batch_images: int,
-                 pin: bool = False) -> None:
+                 pin: bool = False, fused_vision: bool = False) -> None:
         """``pin``: register the segments with CUDA (this side copies them to or from a GPU)."""
         self.outgoing, self.incoming = OwnedSegment(pin), OwnedSegment(pin)
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe(duplex=True)
         self.process = context.Process(target=encode_worker.worker_main, name=f"fovea-encode-{index}",
-                                       args=(child, model_dir, device, dtype, batch_images), daemon=True)
+                                       args=(child, model_dir, device, dtype, batch_images, fused_vision), daemon=True)
         self.process.start()
         child.close()
         self.pid = self.process.pid
@@ -64,7 +68,14 @@ class PipeChannel:
 
     def _send(self, request: bytes, timeout: float) -> None:
         """Write the batch within the timeout: a frame larger than the pipe's buffer blocks
-        until the worker reads it, and a hung worker never does."""
+        until the worker reads it, and a hung worker never does. A message of headers only
+        (the tensors are in shared memory) fits the empty pipe's buffer and is written here."""
+        if len(request) <= SMALL_MESSAGE_BYTES:
+            try:
+                self.conn.send_bytes(request)
+            except (OSError, ValueError) as exc:
+                raise WorkerLost(f"died ({type(exc).__name__})") from exc
+            return
         done, failed = threading.Event(), []
 
         def send() -> None:

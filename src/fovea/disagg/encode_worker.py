@@ -77,20 +77,21 @@ class EncodeService:
     The model id is the worker's own reading of its directory; the recipe fingerprint is the
     one the pixels were preprocessed with, sent with them and returned with their rows."""
 
-    def __init__(self, model_dir: str, device: str, dtype: str, batch_images: int = 8) -> None:
+    def __init__(self, model_dir: str, device: str, dtype: str, batch_images: int = 8,
+                 fused_vision: bool = False) -> None:
         from fovea.model.contract import directory_fingerprint
         from fovea.model.vision_part import load_vision_part
 
         self.part = load_vision_part(model_dir, device, dtype)
         self.model_id = directory_fingerprint(self.part.path)
-        self.encode = self.part.adapter.vision_forward(self.part)
+        self.encode, self.vision_label = vision_stage(self.part, fused_vision)
         self.fingerprint = vision_fingerprint(self.part.adapter.vision_modules(self.part.model))
         self.plan = measure_plan(self, batch_images)
 
     def ready_frame(self) -> bytes:
         part = self.part
         return pack({"kind": READY, "pid": os.getpid(), "vision_fingerprint": self.fingerprint,
-                     "parameters": part.parameters, "load_seconds": part.load_seconds,
+                     "parameters": part.parameters, "load_seconds": part.load_seconds, "vision": self.vision_label,
                      "plan": self.plan.to_dict(), "plan_text": self.plan.render()}, b"")
 
     def encode_and_seal(self, images: list[tuple[dict, ImageInput]]) -> tuple[list[wire.Item], float, float]:
@@ -123,7 +124,8 @@ class EncodeService:
             rows, encode_s, seal_s = self.encode_and_seal(images)
             reply_segment = segments(batch["reply"]) if segments is not None and batch.get("reply") else None
             head = {"kind": BATCH, "read_s": read, "encode_s": encode_s, "seal_s": seal_s,
-                    "peak_reserved_bytes": _peak_reserved(self.part.device)}
+                    "peak_reserved_bytes": _peak_reserved(self.part.device),
+                    "pinned": reply_segment.pinned if reply_segment is not None else None}
             return wire.encode([(head, None), *rows], reply_segment)
         except Exception as exc:  # noqa: BLE001 - one bad batch is answered, the worker goes on
             return wire.encode([error_item(exc, traceback.format_exc()[-2000:])])
@@ -141,11 +143,26 @@ def error_frame(exc: BaseException, trace: str = "") -> bytes:
     return pack(error_item(exc, trace)[0], b"")
 
 
-def worker_main(conn: Connection, model_dir: str, device: str, dtype: str, batch_images: int = 8) -> None:
+def vision_stage(part, fused: bool) -> tuple:
+    """(the vision forward, which one): the fused stage where it runs and agrees with
+    transformers' modules on this tower (CLIP-style, on a GPU), else the adapter's own.
+    The fused one keeps only the feature layer's hidden states: at LLaVA's batch of 32 the
+    modules' forward keeps all 25 (0.9 GiB)."""
+    if fused and part.adapter.family.name == "llava":
+        from fovea.engine.vision_fused import choose_vision_encoder
+        from fovea.models.llava import stacked
+
+        forward, label = choose_vision_encoder(part, enabled=True)
+        return stacked(forward), label
+    return part.adapter.vision_forward(part), "the adapter's modules"
+
+
+def worker_main(conn: Connection, model_dir: str, device: str, dtype: str, batch_images: int = 8,
+                fused_vision: bool = False) -> None:
     """The process's body: load, say ready (with the vision fingerprint), then serve until EOF."""
     torch.set_num_threads(1)
     try:
-        service = EncodeService(model_dir, device, dtype, batch_images)
+        service = EncodeService(model_dir, device, dtype, batch_images, fused_vision)
     except Exception as exc:  # noqa: BLE001 - the parent reports why the worker could not start
         conn.send_bytes(error_frame(exc))
         return

@@ -74,9 +74,11 @@ class EncoderPool:
     def __init__(self, model_dir: str | Path, *, workers: int, device: str, dtype: str, model_id: str,
                  recipe_fingerprint: str, hidden: int, timeout_s: float = 60.0, start_timeout_s: float = 300.0,
                  batch_images: int = 8, ray_address: str | None = None, pd_device: str = "cpu",
+                 fused_vision: bool = False,
                  on_handoff: Callable[[float, int], None] | None = None) -> None:
         """``pd_device``: where the verified rows land (the prefill/decode model's device).
-        ``on_handoff(seconds per image, images)``: each batch's hand-off cost."""
+        ``on_handoff(seconds per image, images)``: each batch's hand-off cost. ``fused_vision``:
+        the workers run fovea's fused vision stage where it passes its start-up check."""
         if workers < 1:
             raise ValueError("an encoder pool needs at least one worker")
         self.model_dir = str(model_dir)
@@ -85,17 +87,21 @@ class EncoderPool:
         self.batch_images = batch_images  # the engine's vision batch: what each worker plans its peak for
         if ray_address is None:
             pin = torch.device(pd_device).type == "cuda"
-            self.open_channel = lambda index: PipeChannel(index, self.model_dir, device, dtype, batch_images, pin)
+            self.open_channel = lambda index: PipeChannel(index, self.model_dir, device, dtype, batch_images, pin,
+                                                          fused_vision)
         else:
             from fovea.disagg.ray_workers import RayChannel, connect
 
             connect(ray_address)
-            self.open_channel = lambda index: RayChannel(index, self.model_dir, device, dtype, batch_images)
+            self.open_channel = lambda index: RayChannel(index, self.model_dir, device, dtype, batch_images,
+                                                         fused_vision)
         self.workers = [WorkerHandle(i) for i in range(workers)]
         self.vision_fingerprint = ""
         self._pick = threading.Lock()
         self.device = torch.device(pd_device)
         self.on_handoff = on_handoff
+        self.handoff_totals = {"batches": 0, "images": 0, "seconds": 0.0, "worker_seconds": 0.0}
+        self.handoff_pinned: dict = {}  # whether each side's shared segments are pinned for CUDA
         # Encodes submitted ahead of the engine's step (at admission), sent by one client
         # thread per worker.
         self._pending: deque[tuple[list[ImageInput], Future]] = deque()
@@ -147,8 +153,9 @@ class EncoderPool:
             self._end(worker, "failed")
             raise FoveaError(f"encode worker {worker.index} could not start: {meta.get('message')}")
         worker.vision_fingerprint, worker.state, worker.plan = meta["vision_fingerprint"], "ready", meta["plan"]
-        log.info("encode worker %d (pid %s) loaded %.1f M vision parameters in %.1f s; %s", worker.index,
-                 worker.pid, meta["parameters"] / 1e6, meta["load_seconds"], meta["plan_text"])
+        log.info("encode worker %d (pid %s) loaded %.1f M vision parameters in %.1f s, vision stage %s; %s",
+                 worker.index, worker.pid, meta["parameters"] / 1e6, meta["load_seconds"], meta.get("vision"),
+                 meta["plan_text"])
 
     def _end(self, worker: WorkerHandle, state: str) -> None:
         if worker.channel is not None:
@@ -262,9 +269,37 @@ class EncoderPool:
 
     def _observe(self, batch: dict, seconds: float, images: int) -> None:
         """The hand-off's cost: the round trip less the worker's vision forward, per image
-        (pixels out, embeddings sealed, back, landed on the device and verified)."""
-        if images and self.on_handoff is not None and "encode_s" in batch:
-            self.on_handoff(max(0.0, seconds - float(batch["encode_s"])) / images, images)
+        (pixels out, embeddings sealed, back, landed on the device and verified). Split in the
+        summary into the worker's share (reading pixels, sealing and writing rows) and the rest
+        (this process's writing, landing and verifying, and the pipe)."""
+        if not images or "encode_s" not in batch:
+            return
+        handoff = max(0.0, seconds - float(batch["encode_s"]))
+        worker_side = float(batch.get("read_s", 0.0)) + float(batch.get("seal_s", 0.0))
+        self.handoff_pinned = {"worker": batch.get("pinned"), "this_side": self._pinned_here()}
+        with self._pick:
+            totals = self.handoff_totals
+            totals["batches"] += 1
+            totals["images"] += images
+            totals["seconds"] += handoff
+            totals["worker_seconds"] += worker_side
+        if self.on_handoff is not None:
+            self.on_handoff(handoff / images, images)
+
+    def handoff_summary(self) -> dict:
+        """Mean hand-off per image since start, and its split (``/health``'s "handoff")."""
+        totals = dict(self.handoff_totals)
+        n = max(1, int(totals["images"]))
+        return {"batches": int(totals["batches"]), "images": int(totals["images"]),
+                "mean_ms_per_image": 1e3 * totals["seconds"] / n,
+                "worker_side_ms_per_image": 1e3 * totals["worker_seconds"] / n,
+                "this_side_ms_per_image": 1e3 * (totals["seconds"] - totals["worker_seconds"]) / n,
+                "pinned": self.handoff_pinned}
+
+    def _pinned_here(self) -> bool | None:
+        channel = self.workers[0].channel
+        segment = getattr(getattr(channel, "incoming", None), "segment", None)
+        return segment.pinned if segment is not None else None
 
     def _verify(self, reply: list, batch_id: str, images: list[ImageInput]) -> list[torch.Tensor | BaseException]:
         head = reply[0][0] if reply else {}

@@ -46,7 +46,8 @@ def _actor_class():
 
         @ray.remote(max_restarts=0)
         class EncodeActor:
-            def __init__(self, model_dir: str, device: str, dtype: str, batch_images: int) -> None:
+            def __init__(self, model_dir: str, device: str, dtype: str, batch_images: int,
+                         fused_vision: bool) -> None:
                 import torch
 
                 from fovea.disagg.encode_worker import EncodeService, error_frame
@@ -54,7 +55,7 @@ def _actor_class():
                 torch.set_num_threads(1)
                 self.service, self.failure = None, None
                 try:
-                    self.service = EncodeService(model_dir, device, dtype, batch_images)
+                    self.service = EncodeService(model_dir, device, dtype, batch_images, fused_vision)
                 except Exception as exc:  # noqa: BLE001 - reported by ready(), as a local worker does
                     self.failure = error_frame(exc)
 
@@ -69,12 +70,13 @@ def _actor_class():
 
 
 class RayChannel:
-    def __init__(self, index: int, model_dir: str, device: str, dtype: str, batch_images: int) -> None:
+    def __init__(self, index: int, model_dir: str, device: str, dtype: str, batch_images: int,
+                 fused_vision: bool = False) -> None:
         ray = ray_module()
         # A GPU worker asks Ray for a sliver of a GPU: its memory plan, not Ray, sizes what it takes.
         options = {"num_cpus": 1, "num_gpus": 0.01 if device.startswith("cuda") else 0}
         self.ray = ray
-        self.actor = _actor_class().options(**options).remote(model_dir, device, dtype, batch_images)
+        self.actor = _actor_class().options(**options).remote(model_dir, device, dtype, batch_images, fused_vision)
         self.pid = None  # a Ray worker's pid is not this machine's to signal
         self.index = index
 

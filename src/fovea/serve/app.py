@@ -69,25 +69,29 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     on_vision = lambda s: metrics.vision_latency.observe(1000 * s)
     pool = None
     vision_batch = settings.vision_batch_size or VISION_BATCH
+    engine_config = PagedEngineConfig(max_num_seqs=settings.max_batch_size,
+                                      max_queue=settings.max_queue,
+                                      max_num_batched_tokens=settings.max_batched_tokens,
+                                      overlap_steps=SWITCH[settings.step_overlap],
+                                      fused_vision=SWITCH[settings.fused_vision],
+                                      gpu_memory_utilization=settings.gpu_memory_utilization,
+                                      kv_cache_memory=settings.kv_cache_memory,
+                                      max_model_len=settings.max_model_len,
+                                      vision_batch_size=vision_batch)
     if settings.topology == "e_pd":
         from fovea.disagg.encoder_pool import EncoderPool
 
+        # The workers run the vision stage agg would run here (the fused one on a GPU for
+        # models of 1 B parameters or more), so both topologies give the same rows.
+        fused = engine_config.resolved(loaded.device, loaded.context_length,
+                                       sum(p.numel() for p in loaded.model.parameters())).fused_vision
         pool = EncoderPool(loaded.path, workers=settings.encode_workers or 1, device=str(loaded.device),
                            dtype=str(loaded.dtype).removeprefix("torch."), model_id=contract.model_fingerprint,
                            recipe_fingerprint=contract.recipe_fingerprint, hidden=contract.lm_hidden,
                            timeout_s=settings.encode_timeout_s or 60.0, ray_address=settings.ray_address,
-                           batch_images=vision_batch, pd_device=str(loaded.device),
+                           batch_images=vision_batch, pd_device=str(loaded.device), fused_vision=bool(fused),
                            on_handoff=metrics.observe_handoff).start()
-    engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=settings.max_batch_size,
-                                                   max_queue=settings.max_queue,
-                                                   max_num_batched_tokens=settings.max_batched_tokens,
-                                                   overlap_steps=SWITCH[settings.step_overlap],
-                                                   fused_vision=SWITCH[settings.fused_vision],
-                                                   gpu_memory_utilization=settings.gpu_memory_utilization,
-                                                   kv_cache_memory=settings.kv_cache_memory,
-                                                   max_model_len=settings.max_model_len,
-                                                   vision_batch_size=vision_batch),
-                         on_vision_seconds=on_vision, remote_encoder=pool)
+    engine = PagedEngine(loaded, engine_config, on_vision_seconds=on_vision, remote_encoder=pool)
     state = ServerState.build(settings, loaded, engine, contract, metrics)
 
     async def run_canary() -> None:
@@ -160,6 +164,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             "model_family": loaded.adapter.family.name,
             "topology": settings.topology,
             "encode_workers": workers,
+            "handoff": pool.handoff_summary() if pool is not None else None,
             "probe_image_tokens": contract.probe_image_tokens,
             "recipe_fingerprint": contract.recipe_fingerprint,
             "processor_override": contract.processor_override,
