@@ -81,7 +81,7 @@ def handoff(model_dir: Path, args, results: dict) -> None:
                 images.extend(encode_prompt(loaded, render_chat(loaded, messages), [image]).images)
             pool.encode(images)  # warm: segments sized and pinned, kernels chosen
             observed.clear()
-            before = pool.handoff_summary()
+            before = pool.handoff_totals.copy()
             walls = []
             for _ in range(args.handoff_reps):
                 started = time.perf_counter()
@@ -89,14 +89,16 @@ def handoff(model_dir: Path, args, results: dict) -> None:
                 walls.append(time.perf_counter() - started)
             assert len(rows) == size and rows[0].device.type == loaded.device.type
             per_image = statistics.median(observed)
-            after = pool.handoff_summary()
-            worker_ms = ((after["worker_side_ms_per_image"] * after["images"]
-                          - before["worker_side_ms_per_image"] * before["images"]) / (after["images"] - before["images"]))
+            after = pool.handoff_totals.copy()
+            n = after["images"] - before["images"]
+            parts = {k: 1e3 * (after[k] - before.get(k, 0.0)) / n for k in after if k not in ("batches", "images", "seconds")}
+            worker_ms = sum(v for k, v in parts.items() if k.startswith("worker"))
             r["batches"][size] = {"handoff_ms_per_image": 1e3 * per_image, "round_trip_ms": 1e3 * statistics.median(walls),
-                                  "worker_side_ms_per_image": worker_ms,
+                                  "worker_side_ms_per_image": worker_ms, "parts_ms_per_image": parts,
                                   "reps": args.handoff_reps, "embedding_bytes": rows[0].numel() * rows[0].element_size()}
-            log(f"hand-off, batch {size}: {1e3 * per_image:.3f} ms per image, of which the worker's "
-                f"{worker_ms:.3f} (round trip {1e3 * statistics.median(walls):.1f} ms)")
+            log(f"hand-off, batch {size}: {1e3 * per_image:.3f} ms per image (round trip "
+                f"{1e3 * statistics.median(walls):.1f} ms); parts per image: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
         status = pool.status()[0]
         r["worker_peak_reserved_bytes"] = status["peak_reserved_bytes"]
         r["worker_process_gpu_bytes"] = process_gpu_bytes(status["pid"]) if status["pid"] else None
@@ -229,10 +231,10 @@ def table(results: dict) -> str:
         w = epd["encode_worker"]
         rows.append(f"| encode worker peak (torch reserved / process incl. CUDA context) | - | "
                     f"{gib(w['after']['peak_reserved_bytes'])} / {gib(w['process_gpu_bytes'])} | at most 1.2 GB |")
-        split = epd.get("handoff_summary") or {}
+        parts = (epd.get("handoff_summary") or {}).get("parts_ms_per_image", {})
         rows.append(f"| hand-off in serving (mean per image, {epd['handoff_images']:.0f} images) | - | "
-                    f"{epd['handoff_mean_ms_per_image']:.3f} ms (worker {split.get('worker_side_ms_per_image', float('nan')):.3f}, "
-                    f"PD side and pipe {split.get('this_side_ms_per_image', float('nan')):.3f}) | under 1 ms |")
+                    f"{epd['handoff_mean_ms_per_image']:.3f} ms ("
+                    + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()) + ") | under 1 ms |")
     h = results.get("handoff")
     if h:
         for size, b in h["batches"].items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 
 from fovea.disagg import encode_worker, wire
 from fovea.disagg.shared_segment import OwnedSegment
@@ -31,6 +32,7 @@ class PipeChannel:
                  pin: bool = False, fused_vision: bool = False) -> None:
         """``pin``: register the segments with CUDA (this side copies them to or from a GPU)."""
         self.outgoing, self.incoming = OwnedSegment(pin), OwnedSegment(pin)
+        self.last_timing: dict[str, float] = {}  # the last round trip: writing it, and send to reply
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe(duplex=True)
         self.process = context.Process(target=encode_worker.worker_main, name=f"fovea-encode-{index}",
@@ -50,15 +52,19 @@ class PipeChannel:
     def round_trip(self, items: list[wire.Item], reply_bytes: int, timeout: float) -> list[wire.Item]:
         """``items`` (the first one the batch item) to the worker, its reply back. ``reply_bytes``
         sizes the reply segment: what the embeddings the batch expects take."""
+        started = time.perf_counter()
         incoming = self.incoming.ensure(reply_bytes)
         items = [({**items[0][0], "reply": incoming.name}, None), *items[1:]]
-        self._send(wire.encode(items, self.outgoing.ensure(wire.tensor_bytes(items))), timeout)
+        request = wire.encode(items, self.outgoing.ensure(wire.tensor_bytes(items)))
+        sending = time.perf_counter()
+        self._send(request, timeout)
         try:
             if not self.conn.poll(timeout):
                 raise WorkerLost(f"did not answer within {timeout:.1f} s")
             reply = self.conn.recv_bytes()
         except (EOFError, OSError) as exc:
             raise WorkerLost(f"died ({type(exc).__name__})") from exc
+        self.last_timing = {"write_s": sending - started, "exchange_s": time.perf_counter() - sending}
         return wire.decode(reply, self._segment)
 
     def _segment(self, name: str):

@@ -100,7 +100,7 @@ class EncoderPool:
         self._pick = threading.Lock()
         self.device = torch.device(pd_device)
         self.on_handoff = on_handoff
-        self.handoff_totals = {"batches": 0, "images": 0, "seconds": 0.0, "worker_seconds": 0.0}
+        self.handoff_totals: dict[str, float] = {"batches": 0, "images": 0, "seconds": 0.0}
         self.handoff_pinned: dict = {}  # whether each side's shared segments are pinned for CUDA
         # Encodes submitted ahead of the engine's step (at admission), sent by one client
         # thread per worker.
@@ -249,7 +249,9 @@ class EncoderPool:
                 reply = worker.channel.round_trip(items, reply_bytes, self.timeout_s)
                 # The reply may be views of the worker's reply segment: verified and copied out
                 # before the worker can take another batch.
+                landing = time.perf_counter()
                 out = self._verify(reply, batch_id, images)
+                timing = {**getattr(worker.channel, "last_timing", {}), "land_s": time.perf_counter() - landing}
             except WorkerLost as lost:
                 last = f"worker {worker.index} {lost}"
                 worker.state = "dead"  # not chosen again until the restart has it ready
@@ -263,37 +265,42 @@ class EncoderPool:
             worker.state, worker.batches = "ready", worker.batches + 1
             worker.peak_reserved_bytes = reply[0][0].get("peak_reserved_bytes")
             worker.lock.release()
-            self._observe(reply[0][0], time.perf_counter() - started, len(images))
+            self._observe(reply[0][0], timing, time.perf_counter() - started, len(images))
             return out
         raise EncoderUnavailable(f"no encode worker could encode {len(images)} image(s): {last}; retry shortly")
 
-    def _observe(self, batch: dict, seconds: float, images: int) -> None:
+    def _observe(self, batch: dict, timing: dict, seconds: float, images: int) -> None:
         """The hand-off's cost: the round trip less the worker's vision forward, per image
-        (pixels out, embeddings sealed, back, landed on the device and verified). Split in the
-        summary into the worker's share (reading pixels, sealing and writing rows) and the rest
-        (this process's writing, landing and verifying, and the pipe)."""
+        (pixels out, embeddings sealed, back, landed on the device and verified), and where it
+        goes: each side's writing, the worker's reading and sealing, this side's landing and
+        verifying, and the pipe (the exchange less the worker's handling: waking either side)."""
         if not images or "encode_s" not in batch:
             return
         handoff = max(0.0, seconds - float(batch["encode_s"]))
-        worker_side = float(batch.get("read_s", 0.0)) + float(batch.get("seal_s", 0.0))
+        parts = {"worker_read": batch.get("read_s", 0.0), "worker_seal": batch.get("seal_s", 0.0),
+                 "worker_write": batch.get("write_s", 0.0), "this_write": timing.get("write_s", 0.0),
+                 "this_land": timing.get("land_s", 0.0),
+                 "pipe": max(0.0, timing.get("exchange_s", 0.0) - batch.get("handle_s", 0.0))
+                 if "exchange_s" in timing and "handle_s" in batch else 0.0}
         self.handoff_pinned = {"worker": batch.get("pinned"), "this_side": self._pinned_here()}
         with self._pick:
             totals = self.handoff_totals
             totals["batches"] += 1
             totals["images"] += images
             totals["seconds"] += handoff
-            totals["worker_seconds"] += worker_side
+            for name, value in parts.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
         if self.on_handoff is not None:
             self.on_handoff(handoff / images, images)
 
     def handoff_summary(self) -> dict:
-        """Mean hand-off per image since start, and its split (``/health``'s "handoff")."""
+        """Mean hand-off per image since start, and its parts (``/health``'s "handoff")."""
         totals = dict(self.handoff_totals)
-        n = max(1, int(totals["images"]))
-        return {"batches": int(totals["batches"]), "images": int(totals["images"]),
-                "mean_ms_per_image": 1e3 * totals["seconds"] / n,
-                "worker_side_ms_per_image": 1e3 * totals["worker_seconds"] / n,
-                "this_side_ms_per_image": 1e3 * (totals["seconds"] - totals["worker_seconds"]) / n,
+        n = max(1, int(totals.pop("images")))
+        batches = int(totals.pop("batches"))
+        return {"batches": batches, "images": n if batches else 0,
+                "mean_ms_per_image": 1e3 * totals.pop("seconds") / n,
+                "parts_ms_per_image": {name: 1e3 * value / n for name, value in totals.items()},
                 "pinned": self.handoff_pinned}
 
     def _pinned_here(self) -> bool | None:

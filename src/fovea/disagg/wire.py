@@ -29,25 +29,31 @@ def tensor_bytes(items: list[Item]) -> int:
     return sum(aligned(t.numel() * t.element_size()) for _, t in items if t is not None)
 
 
-def encode(items: list[Item], segment: Segment | None = None) -> bytes:
+def encode(items: list[Item], segment: Segment | None = None,
+           written: Callable[[], None] | None = None) -> bytes:
     """The message's bytes. Tensors go into ``segment`` while it has room (copies from a GPU run
-    asynchronously and are waited for once), the rest inline."""
-    frames, offset, from_device = [], 0, False
+    asynchronously and are waited for once), the rest inline. ``written`` runs once the
+    tensors are in place, before the metas are serialised (a worker times its writing there)."""
+    placed: list[tuple[dict, bytes]] = []
+    offset, from_device = 0, False
     for meta, tensor in items:
         if tensor is None:
-            frames.append(pack(meta, b""))
+            placed.append((meta, b""))
             continue
         data = as_bytes(tensor)
         n = data.numel()
         if segment is not None and offset + n <= segment.capacity:
             segment.view(offset, n).copy_(data, non_blocking=data.is_cuda)
             from_device |= data.is_cuda
-            frames.append(pack({**meta, "at": [segment.name, offset, n]}, b""))
+            placed.append(({**meta, "at": [segment.name, offset, n]}, b""))
             offset += aligned(n)
         else:
-            frames.append(pack(meta, data.cpu().numpy().tobytes()))
+            placed.append((meta, data.cpu().numpy().tobytes()))
     if from_device:
         torch.cuda.synchronize()
+    if written is not None:
+        written()
+    frames = [pack(meta, payload) for meta, payload in placed]
     return struct.pack("<I", len(frames)) + b"".join(struct.pack("<I", len(f)) + f for f in frames)
 
 
