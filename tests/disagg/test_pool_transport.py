@@ -117,3 +117,13 @@ def test_a_message_carries_tensors_in_a_segment_or_inline():
         assert len(message) > large.numel() * 4 > len(wire.encode([({"n": 1}, small)], segment))
     finally:
         segment.close()
+
+
+def test_a_batch_the_worker_could_not_encode_is_a_server_error_not_the_clients(pool):
+    from fovea.disagg.encode_worker import error_item
+    from fovea.disagg.encoder_pool import EncoderFailed
+
+    with pytest.raises(EncoderFailed) as info:
+        pool._verify([error_item(RuntimeError("CUDA out of memory"))], "batch", [])
+    assert info.value.status == 500 and info.value.code == "encoder_failed"
+    assert "out of memory" in info.value.message

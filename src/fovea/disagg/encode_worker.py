@@ -87,6 +87,10 @@ class EncodeService:
         from fovea.model.contract import directory_fingerprint
         from fovea.model.vision_part import load_vision_part
 
+        # Batches of 1 to 32 images in turn fragment the caching allocator: measured on the H200,
+        # 0.25 GiB reserved beyond what was allocated, the whole margin. Expandable segments
+        # grow and shrink one mapping instead (read when CUDA first allocates, so set before).
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.part = load_vision_part(model_dir, device, dtype)
         self.model_id = directory_fingerprint(self.part.path)
         self.encode, self.vision_label = vision_stage(self.part, fused_vision)
@@ -128,7 +132,13 @@ class EncodeService:
                 raise ValueError("a batch message starts with its batch item")
             images = [(meta, read_image(meta, data, self.part.device)) for meta, data in images]
             read = time.perf_counter() - started
-            rows, encode_s, seal_s = self.encode_and_seal(images)
+            try:
+                rows, encode_s, seal_s = self.encode_and_seal(images)
+            except torch.OutOfMemoryError:
+                # Cached blocks of other batch sizes: give them back and try once more within
+                # the plan's cap before refusing the batch.
+                torch.cuda.empty_cache()
+                rows, encode_s, seal_s = self.encode_and_seal(images)
             reply_segment = segments(batch["reply"]) if segments is not None and batch.get("reply") else None
             head = {"kind": BATCH, "read_s": read, "encode_s": encode_s, "seal_s": seal_s,
                     "peak_reserved_bytes": _peak_reserved(self.part.device),

@@ -50,6 +50,12 @@ class EncoderUnavailable(FoveaError):
     status, code, type = 503, "encoder_unavailable", "server_error"
 
 
+class EncoderFailed(FoveaError):
+    """The encode worker took the batch and could not encode it (its error is in the message)."""
+
+    status, code, type = 500, "encoder_failed", "server_error"
+
+
 @dataclass
 class WorkerHandle:
     index: int
@@ -311,7 +317,7 @@ class EncoderPool:
     def _verify(self, reply: list, batch_id: str, images: list[ImageInput]) -> list[torch.Tensor | BaseException]:
         head = reply[0][0] if reply else {}
         if head.get("kind") == encode_worker.ERROR:
-            raise FoveaError(f"the encode worker failed: {head.get('message')}")
+            raise EncoderFailed(f"the encode worker failed: {head.get('message')}")
         if head.get("kind") != encode_worker.BATCH or len(reply) - 1 != len(images):
             raise HandoffMismatch("frame", f"{len(reply) - 1} embeddings for {len(images)} images")
         out: list[torch.Tensor | BaseException | None] = [None] * len(images)
