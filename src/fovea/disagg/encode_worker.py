@@ -67,11 +67,16 @@ def measure_plan(service: EncodeService, batch_images: int) -> EncoderPlan:
     plan = EncoderPlan(str(part.device), weights, peak, MARGIN_BYTES, batch_images, part.free_before_bytes)
     if plan.free_bytes is not None:
         refuse_unless_fits(plan.need_bytes, plan.free_bytes, plan.render())
-    # Hold the worker to its plan: past it, a batch fails with out-of-memory here instead of
-    # taking memory the prefill/decode worker sharing this GPU counts on.
-    total = torch.cuda.get_device_properties(part.device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, plan.need_bytes / total), part.device)
     return plan
+
+
+def hold_to_plan(plan: EncoderPlan, device: torch.device) -> None:
+    """Cap this process's caching allocator at the plan: past it, a batch fails with
+    out-of-memory here instead of taking memory the prefill/decode worker sharing this GPU
+    counts on."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, plan.need_bytes / total), device)
 
 
 class EncodeService:
@@ -83,7 +88,9 @@ class EncodeService:
     one the pixels were preprocessed with, sent with them and returned with their rows."""
 
     def __init__(self, model_dir: str, device: str, dtype: str, batch_images: int = 8,
-                 fused_vision: bool = False) -> None:
+                 fused_vision: bool = False, hold: bool = True) -> None:
+        """``hold``: cap this process's allocator at the plan (a worker does; `fovea doctor`,
+        which only reports the plan, does not)."""
         from fovea.model.contract import directory_fingerprint
         from fovea.model.vision_part import load_vision_part
 
@@ -96,6 +103,8 @@ class EncodeService:
         self.encode, self.vision_label = vision_stage(self.part, fused_vision)
         self.fingerprint = vision_fingerprint(self.part.adapter.vision_modules(self.part.model))
         self.plan = measure_plan(self, batch_images)
+        if hold:
+            hold_to_plan(self.plan, self.part.device)
 
     def ready_frame(self) -> bytes:
         part = self.part

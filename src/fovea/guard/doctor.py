@@ -51,12 +51,17 @@ def memory_plan_check(loaded, engine_config, report: dict | None) -> list[Check]
 
 def encoder_plan_check(path: Path, device: str, dtype: str) -> Check:
     """What an encode worker (`--topology e_pd`) would load and hold on this device."""
-    from fovea.disagg.encode_worker import measure_plan
-    from fovea.model.vision_part import load_vision_part
+    from fovea.disagg.encode_worker import EncodeService
+    from fovea.engine.paged.config import GPU_MODEL_MIN_PARAMETERS, VISION_BATCH
+    from fovea.guard.memory import estimate_weight_bytes
+    from fovea.model.loader import resolve_device
 
+    # The vision stage a server would give its workers: fused on a GPU for 1 B+ parameters.
+    fused = (resolve_device(device).type == "cuda"
+             and estimate_weight_bytes(path, torch.bfloat16) / 2 >= GPU_MODEL_MIN_PARAMETERS)
     try:
-        part = load_vision_part(path, device, dtype)
-        plan = measure_plan(part, batch_images=8)
+        service = EncodeService(str(path), device, dtype, VISION_BATCH, fused_vision=fused, hold=False)
+        part, plan = service.part, service.plan
     except FoveaError as exc:
         return Check("encoder.plan", Status.FAIL, exc.message,
                      "free memory on that GPU or give the encode worker another one (--topology e_pd)")
