@@ -33,10 +33,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("fovea.disagg")
 
 
-def serve(path: str, authkey: bytes, model_dir: str, device: str, dtype: str, batch_images: int,
+def serve(path: str, authkey: bytes, model_dir: str | None, device: str, dtype: str, batch_images: int | None,
           fused_vision: bool | None, log_level: str = "info") -> None:
-    """The process's body (a ``multiprocessing`` spawn target). ``fused_vision`` None: decide
-    as the PD workers' engines do (on a GPU, for models of 1 B parameters or more)."""
+    """The process's body (a ``multiprocessing`` spawn target). ``model_dir`` None: the demo
+    model; ``batch_images`` None: the engine's vision batch; ``fused_vision`` None: decide as
+    the PD workers' engines do (on a GPU, for models of 1 B parameters or more). Those defaults
+    are read here, not in the front, which does not import torch."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s encode-worker[{os.getpid()}] "
                                                         "%(name)s: %(message)s")
     # Ctrl-C reaches the whole process group: the front stops its workers in order, with SIGTERM.
@@ -49,10 +51,14 @@ def serve(path: str, authkey: bytes, model_dir: str, device: str, dtype: str, ba
     import torch
 
     from fovea.disagg.encode_worker import EncodeService
+    from fovea.engine.paged.config import VISION_BATCH
+    from fovea.model.loader import default_model_dir
 
     torch.set_num_threads(1)
+    model_dir = model_dir or str(default_model_dir())
     try:
-        service = EncodeService(model_dir, device, dtype, batch_images, _fused(fused_vision, model_dir, device))
+        service = EncodeService(model_dir, device, dtype, batch_images or VISION_BATCH,
+                                _fused(fused_vision, model_dir, device))
     except Exception as exc:  # noqa: BLE001 - the front sees the exit; the log says why
         log.error("the encode worker could not start: %s: %s", type(exc).__name__, exc)
         sys.exit(2)
