@@ -182,7 +182,6 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
 
     from fovea.config import ServerSettings
     from fovea.media.config import MediaConfig
-    from fovea.serve.app import create_app
     from fovea.serve.http_protocol import uvicorn_options
 
     media_kwargs = {}
@@ -229,6 +228,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         from fovea.front.app import run_front
 
         return run_front(settings, argv, args.log_level)
+    from fovea.serve.app import create_app  # torch and the engine: not for a front
+
     if pd_worker:
         from fovea.disagg.parent_watch import exit_with_parent
 

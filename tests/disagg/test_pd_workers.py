@@ -175,6 +175,13 @@ def test_an_image_uploaded_through_the_front_serves_requests_on_either_worker(fr
     assert all(r.status_code == 404 and r.json()["error"]["code"] == "image_not_found" for r in gone)
 
 
+def test_the_front_loads_no_model(front):
+    maps = Path(f"/proc/{front.process.pid}/maps").read_text()
+    assert "libtorch" not in maps  # not even torch: it proxies, the PD workers hold the model
+    worker = health(front)["pd_workers"][0]["pid"]
+    assert "libtorch" in Path(f"/proc/{worker}/maps").read_text()  # (the check can tell)
+
+
 def test_the_api_key_guards_the_front_and_the_workers_ports(front):
     assert httpx.get(front.base + "/v1/models", timeout=30).status_code == 401
     assert httpx.get(front.base + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"] == "fovea-shapes"
