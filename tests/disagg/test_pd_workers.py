@@ -336,6 +336,30 @@ def test_pd_workers_below_one_are_refused(capsys):
         ServerSettings(topology="e_pd", pd_workers=0)
 
 
+def test_without_a_ready_pd_worker_requests_get_503_pd_unavailable_and_health_is_degraded():
+    from starlette.testclient import TestClient
+
+    from fovea.front.app import create_front_app
+    from fovea.front.encoders import EncodeFleet
+    from fovea.front.pd_fleet import PdFleet
+
+    encoders = EncodeFleet(1, b"key", ())  # never started: nothing is ready
+    fleet = PdFleet(2, [], encoders.sockets, "internal", b"key")
+    for worker in fleet.workers:
+        worker.state = "dead"
+    try:
+        client = TestClient(create_front_app(ServerSettings(topology="e_pd", pd_workers=2), fleet, encoders))
+        reply = client.post("/v1/chat/completions", json={"messages": []})  # no lifespan: no children start
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "pd_unavailable", reply.text
+        assert client.post("/v1/images", content=b"x").json()["error"]["code"] == "pd_unavailable"
+        body = client.get("/health").json()
+        assert body["status"] == "degraded" and len(body["reasons"]) == 2, body
+        assert [w["error"] for w in body["pd_workers"]] == ["not running (dead)"] * 2
+    finally:
+        encoders.stop()
+    assert not os.path.exists(encoders.directory)
+
+
 def test_the_workers_metrics_are_summed_and_their_gauges_kept_apart():
     one = ('# TYPE fovea_requests_total counter\nfovea_requests_total{route="/a",status="200"} 2.0\n'
            '# TYPE fovea_h histogram\nfovea_h_bucket{le="1.0"} 1.0\nfovea_h_bucket{le="+Inf"} 2.0\n'

@@ -12,6 +12,8 @@ import socket
 import sys
 from pathlib import Path
 
+from fovea.errors import FoveaError
+
 INTERNAL_KEY_ENV = "FOVEA_INTERNAL_KEY"
 ENCODE_KEY_ENV = "FOVEA_ENCODE_AUTHKEY"
 WORKER_HEADER = "x-fovea-pd-worker"  # on every proxied response: which PD worker answered
@@ -47,5 +49,5 @@ def pd_worker_secrets() -> tuple[str, bytes]:
     try:
         return os.environ[INTERNAL_KEY_ENV], bytes.fromhex(os.environ[ENCODE_KEY_ENV])
     except (KeyError, ValueError) as exc:
-        raise RuntimeError("a PD worker is started by the front of `fovea serve --pd-workers`, which hands it "
+        raise FoveaError("a PD worker is started by the front of `fovea serve --pd-workers`, which hands it "
                            f"{INTERNAL_KEY_ENV} and {ENCODE_KEY_ENV}") from exc
