@@ -21,7 +21,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection
 
 from fovea.disagg.channels import FramedChannel, WorkerLost
-from fovea.disagg.handoff import unpack
+from fovea.disagg.handoff import HandoffMismatch, unpack
 
 log = logging.getLogger("fovea.disagg")
 
@@ -47,7 +47,7 @@ class SocketChannel(FramedChannel):
         if not self.conn.poll(max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"sent no ready frame within {timeout:.0f} s")
         frame = self.conn.recv_bytes()
-        with contextlib.suppress(ValueError):  # the pool reports a malformed frame
+        with contextlib.suppress(HandoffMismatch, TypeError, ValueError):  # the pool reports a malformed frame
             pid = unpack(frame)[0].get("pid")
             self.pid = int(pid) if pid is not None else None
         return frame
@@ -57,8 +57,8 @@ class SocketChannel(FramedChannel):
         while time.monotonic() < deadline:
             try:
                 return _client_within(self.address, self.authkey, deadline - time.monotonic())
-            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, EOFError) as exc:
-                last = exc  # not listening yet, or it died during the handshake
+            except (FileNotFoundError, ConnectionError, EOFError) as exc:
+                last = exc  # not listening yet (or a dead one's socket), or it died during the handshake
             time.sleep(RECONNECT_S)
         raise TimeoutError(f"did not accept a connection on {self.address} in time"
                            + (f" ({type(last).__name__}: {last})" if last else ""))
