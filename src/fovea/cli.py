@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ray-address", default=None,
                        help="e_pd: run the encode workers as actors on this Ray cluster (host:port, or 'local' "
                             "to start one here); default: processes on this machine")
+    serve.add_argument("--pd-workers", type=positive_int, default=None,
+                       help="e_pd: prefill/decode worker processes, each with its own engine; this process then "
+                            "loads no model and is their front: it routes requests to them and runs the encode "
+                            "workers they share (docs/disaggregation.md)")
+    # A PD worker behind a front: started by the front alone, with these and its keys in the environment.
+    serve.add_argument("--internal-pd-worker", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--internal-encode-socket", action="append", default=[], help=argparse.SUPPRESS)
     serve.add_argument("--encode-timeout", type=float, default=None,
                        help="e_pd: seconds an encode worker may hold a batch before it is restarted (default 60)")
     serve.add_argument("--vision-batch-size", type=positive_int, default=None,
@@ -154,10 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         train_main(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    who = f"pd-worker-{args.internal_pd_worker} " if getattr(args, "internal_pd_worker", None) is not None else ""
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
     try:
         if args.command == "serve":
-            return serve(args)
+            return serve(args, argv)
         if args.command == "chat":
             return chat(args)
         if args.command == "doctor":
@@ -168,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, argv: list[str]) -> int:
+    """One server, a front (``--pd-workers``: ``fovea.front``), or a PD worker behind a front."""
     import uvicorn
 
     from fovea.config import ServerSettings
     from fovea.media.config import MediaConfig
-    from fovea.serve.app import create_app
     from fovea.serve.http_protocol import uvicorn_options
 
     media_kwargs = {}
@@ -183,11 +191,19 @@ def serve(args: argparse.Namespace) -> int:
         media_kwargs["max_image_pixels"] = args.max_image_pixels
     if args.decode_memory is not None:
         media_kwargs["large_decode_budget_bytes"] = args.decode_memory
+    pd_worker = args.internal_pd_worker is not None
+    api_key, encode_key = args.api_key, None
+    if pd_worker:  # its port takes the front's key only; the front checks the clients' own
+        from fovea.front.children import pd_worker_secrets
+
+        api_key, encode_key = pd_worker_secrets()
     try:
         settings = ServerSettings(
             model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             served_model_name=args.served_model_name, engine=args.engine, topology=args.topology,
             encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, ray_address=args.ray_address,
+            pd_workers=None if pd_worker else args.pd_workers,
+            encode_addresses=tuple(args.internal_encode_socket), encode_authkey=encode_key,
             vision_batch_size=args.vision_batch_size,
             max_batch_size=args.max_batch_size,
             max_batched_tokens=args.max_batched_tokens, step_overlap=args.step_overlap,
@@ -195,7 +211,7 @@ def serve(args: argparse.Namespace) -> int:
             kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
             preprocess_workers=args.preprocess_workers,
             max_queue=args.max_queue, limit_images_per_prompt=args.limit_images_per_prompt,
-            max_body_bytes=args.max_body_bytes, api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes, api_key=api_key,
             processor_override=args.processor_override, force_processor_override=args.force_processor_override,
             canary=not args.no_canary, canary_interval_s=args.canary_interval, strict=args.strict,
             media=MediaConfig(
@@ -208,6 +224,16 @@ def serve(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:  # a combination of flags that cannot work: one line, no traceback
         raise FoveaError(str(exc)) from None
+    if settings.pd_workers:
+        from fovea.front.app import run_front
+
+        return run_front(settings, argv, args.log_level)
+    from fovea.serve.app import create_app  # torch and the engine: not for a front
+
+    if pd_worker:
+        from fovea.disagg.parent_watch import exit_with_parent
+
+        exit_with_parent()
     # The engine's worker thread shares the GIL with the event loop and the request threads; it
     # must get it back within a fraction of a GPU step (a 7B decode step is ~4.5 ms), not after
     # Python's default 5 ms switch interval.

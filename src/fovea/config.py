@@ -27,6 +27,12 @@ class ServerSettings:
     encode_workers: int | None = None  # e_pd; None: 1
     encode_timeout_s: float | None = None  # e_pd: a worker that holds a batch longer is restarted; None: 60 s
     ray_address: str | None = None  # e_pd: encode workers as actors on this Ray cluster ("local": start one)
+    # e_pd: prefill/decode worker processes; set, this process is only a front that routes HTTP to
+    # them and supervises them and the encode workers they share (fovea.front). None: it serves.
+    pd_workers: int | None = None
+    # A PD worker behind a front (internal): the shared encode workers' sockets, and their key.
+    encode_addresses: tuple[str, ...] = ()
+    encode_authkey: bytes | None = field(default=None, repr=False)
     vision_batch_size: int | None = None  # images per vision forward (e_pd: per encode-worker batch); None: 8
     max_batch_size: int | None = None  # sequences decoded together; None: 256 on a GPU, 16 on CPU
     # Tokens one paged-engine step may compute (prefill chunks + decodes); None: the engine's
@@ -71,6 +77,18 @@ class ServerSettings:
             raise ValueError("--encode-workers must be at least 1")
         if self.ray_address is not None and self.topology != "e_pd":
             raise ValueError("--ray-address places encode workers: it needs --topology e_pd")
+        if self.pd_workers is not None:
+            if self.topology != "e_pd":
+                raise ValueError("--pd-workers runs prefill/decode workers that share encode workers: it needs "
+                                 "--topology e_pd")
+            if self.pd_workers < 1:
+                raise ValueError("--pd-workers must be at least 1")
+            if self.ray_address is not None:
+                raise ValueError("--pd-workers shares encode-worker processes on this machine; it cannot be "
+                                 "combined with --ray-address")
+        if self.encode_addresses and (self.topology != "e_pd" or self.ray_address is not None):
+            raise ValueError("shared encode workers (a PD worker behind a front) need --topology e_pd without "
+                             "--ray-address")
         if self.encode_timeout_s is not None and self.encode_timeout_s <= 0:
             raise ValueError("--encode-timeout must be a positive number of seconds")
         if self.engine != "paged":

@@ -1,9 +1,10 @@
-"""How the encoder pool reaches one encode worker: a local process on a pipe, or a Ray actor.
+"""How the encoder pool reaches one encode worker: a local process on a pipe, a shared worker on
+a Unix socket (``socket_channel``), or a Ray actor.
 
-A channel starts its worker, waits for its ready frame, carries one batch at a time (``wire``
-items in, items out, within a timeout) and ends it. The local one carries tensors in shared
-memory it owns (pixels out, embeddings back); the items it returns may be views of it, valid
-until its next round trip. ``WorkerLost`` means the worker died or hung: the
+A channel starts (or reaches) its worker, waits for its ready frame, carries one batch at a time
+(``wire`` items in, items out, within a timeout) and ends it. The local ones carry tensors in
+shared memory they own (pixels out, embeddings back); the items they return may be views of it,
+valid until the next round trip. ``WorkerLost`` means the worker died or hung: the
 pool restarts it and sends the batch elsewhere.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+from multiprocessing.connection import Connection
 
 from fovea.disagg import encode_worker, wire
 from fovea.disagg.shared_segment import OwnedSegment
@@ -25,29 +27,18 @@ class WorkerLost(Exception):
     pass
 
 
-class PipeChannel:
-    """A spawned process on this machine (no CUDA state or threads inherited), frames on a pipe."""
+class FramedChannel:
+    """Frames on a ``multiprocessing`` connection, tensors in two segments this side owns."""
 
-    def __init__(self, index: int, model_dir: str, device: str, dtype: str, batch_images: int,
-                 pin: bool = False, fused_vision: bool = False) -> None:
+    conn: Connection
+
+    def __init__(self, pin: bool) -> None:
         """``pin``: register the segments with CUDA (this side copies them to or from a GPU)."""
         self.outgoing, self.incoming = OwnedSegment(pin), OwnedSegment(pin)
         self.last_timing: dict[str, float] = {}  # the last round trip: writing it, and send to reply
-        context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe(duplex=True)
-        self.process = context.Process(target=encode_worker.worker_main, name=f"fovea-encode-{index}",
-                                       args=(child, model_dir, device, dtype, batch_images, fused_vision), daemon=True)
-        self.process.start()
-        child.close()
-        self.pid = self.process.pid
 
-    def ready(self, timeout: float) -> bytes:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"did not start within {timeout:.0f} s")
-        return self.conn.recv_bytes()
-
-    def alive(self) -> bool:
-        return self.process.is_alive()
+    def _hung(self) -> None:
+        """Called when the worker holds a batch past its timeout, before ``WorkerLost`` is raised."""
 
     def round_trip(self, items: list[wire.Item], reply_bytes: int, timeout: float) -> list[wire.Item]:
         """``items`` (the first one the batch item) to the worker, its reply back. ``reply_bytes``
@@ -60,6 +51,7 @@ class PipeChannel:
         self._send(request, timeout)
         try:
             if not self.conn.poll(timeout):
+                self._hung()
                 raise WorkerLost(f"did not answer within {timeout:.1f} s")
             reply = self.conn.recv_bytes()
         except (EOFError, OSError) as exc:
@@ -94,9 +86,33 @@ class PipeChannel:
 
         threading.Thread(target=send, name="fovea-encode-send", daemon=True).start()
         if not done.wait(timeout):
+            self._hung()
             raise WorkerLost(f"did not take a batch within {timeout:.1f} s")
         if failed:
             raise WorkerLost(f"died ({type(failed[0]).__name__})")
+
+
+class PipeChannel(FramedChannel):
+    """A spawned process on this machine (no CUDA state or threads inherited), frames on a pipe."""
+
+    def __init__(self, index: int, model_dir: str, device: str, dtype: str, batch_images: int,
+                 pin: bool = False, fused_vision: bool = False) -> None:
+        super().__init__(pin)
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe(duplex=True)
+        self.process = context.Process(target=encode_worker.worker_main, name=f"fovea-encode-{index}",
+                                       args=(child, model_dir, device, dtype, batch_images, fused_vision), daemon=True)
+        self.process.start()
+        child.close()
+        self.pid = self.process.pid
+
+    def ready(self, timeout: float) -> bytes:
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"did not start within {timeout:.0f} s")
+        return self.conn.recv_bytes()
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
 
     def close(self) -> None:
         if self.process.is_alive():

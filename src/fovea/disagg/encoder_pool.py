@@ -11,6 +11,11 @@ vision weights, recipe, dtype, shape, tokens, grid, checksum), and supervises th
 - when no worker can take a batch, the batch's requests fail with 503 ``encoder_unavailable``
   (never a silent re-encode in the prefill/decode process, never a text-only answer).
 
+With ``encoder_addresses`` the workers are shared ones that already run (``encode_server``,
+started by the front of ``--pd-workers``) and the pool connects to their sockets
+(``SocketChannel``): it does not own those processes, so restarting one means connecting
+again, and a hung one is killed by its pid for the front to replace.
+
 ``status()`` is what ``/health`` lists: each worker's pid, state, restarts and batches.
 """
 
@@ -38,6 +43,7 @@ from fovea.models.base import ImageInput
 
 if TYPE_CHECKING:
     from fovea.disagg.ray_workers import RayChannel
+    from fovea.disagg.socket_channel import SocketChannel
 
 log = logging.getLogger("fovea.disagg")
 
@@ -59,7 +65,7 @@ class EncoderFailed(FoveaError):
 @dataclass
 class WorkerHandle:
     index: int
-    channel: PipeChannel | RayChannel | None = None
+    channel: PipeChannel | SocketChannel | RayChannel | None = None
     state: str = "starting"  # starting | ready | busy | dead | failed
     pid: int | None = None
     restarts: int = 0
@@ -81,17 +87,30 @@ class EncoderPool:
                  recipe_fingerprint: str, hidden: int, timeout_s: float = 60.0, start_timeout_s: float = 300.0,
                  batch_images: int = 8, ray_address: str | None = None, pd_device: str = "cpu",
                  fused_vision: bool = False,
-                 on_handoff: Callable[[float, int], None] | None = None) -> None:
+                 on_handoff: Callable[[float, int], None] | None = None,
+                 encoder_addresses: list[str] | None = None, authkey: bytes | None = None) -> None:
         """``pd_device``: where the verified rows land (the prefill/decode model's device).
         ``on_handoff(seconds per image, images)``: each batch's hand-off cost. ``fused_vision``:
-        the workers run fovea's fused vision stage where it passes its start-up check."""
+        the workers run fovea's fused vision stage where it passes its start-up check.
+        ``encoder_addresses``: the Unix sockets of shared workers to connect to (one worker
+        each, ``workers`` is then their count), with the ``authkey`` they expect."""
+        if encoder_addresses:
+            if ray_address is not None:
+                raise ValueError("an encoder pool reaches its workers on sockets or through Ray, not both")
+            workers = len(encoder_addresses)
         if workers < 1:
             raise ValueError("an encoder pool needs at least one worker")
         self.model_dir = str(model_dir)
         self.model_id, self.recipe_fingerprint, self.hidden = model_id, recipe_fingerprint, hidden
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.batch_images = batch_images  # the engine's vision batch: what each worker plans its peak for
-        if ray_address is None:
+        if encoder_addresses:
+            from fovea.disagg.socket_channel import SocketChannel
+
+            pin = torch.device(pd_device).type == "cuda"
+            addresses, key = list(encoder_addresses), authkey or b""
+            self.open_channel = lambda index: SocketChannel(index, addresses[index], key, pin)
+        elif ray_address is None:
             pin = torch.device(pd_device).type == "cuda"
             self.open_channel = lambda index: PipeChannel(index, self.model_dir, device, dtype, batch_images, pin,
                                                           fused_vision)
@@ -159,6 +178,7 @@ class EncoderPool:
             self._end(worker, "failed")
             raise FoveaError(f"encode worker {worker.index} could not start: {meta.get('message')}")
         worker.vision_fingerprint, worker.state, worker.plan = meta["vision_fingerprint"], "ready", meta["plan"]
+        worker.pid = worker.channel.pid  # a shared worker's is known from its ready frame
         log.info("encode worker %d (pid %s) loaded %.1f M vision parameters in %.1f s, vision stage %s; %s",
                  worker.index, worker.pid, meta["parameters"] / 1e6, meta["load_seconds"], meta.get("vision"),
                  meta["plan_text"])

@@ -90,7 +90,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                            recipe_fingerprint=contract.recipe_fingerprint, hidden=contract.lm_hidden,
                            timeout_s=settings.encode_timeout_s or 60.0, ray_address=settings.ray_address,
                            batch_images=vision_batch, pd_device=str(loaded.device), fused_vision=bool(fused),
-                           on_handoff=metrics.observe_handoff).start()
+                           on_handoff=metrics.observe_handoff, encoder_addresses=list(settings.encode_addresses),
+                           authkey=settings.encode_authkey).start()
     engine = PagedEngine(loaded, engine_config, on_vision_seconds=on_vision, remote_encoder=pool)
     state = ServerState.build(settings, loaded, engine, contract, metrics)
 

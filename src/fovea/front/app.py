@@ -1,0 +1,221 @@
+"""The front's FastAPI app (routes, /health, /metrics) and ``run_front``, its process's life.
+
+``run_front`` starts the shared encode workers and the PD workers, waits until every PD worker
+answers (so a flag a worker refuses stops the front with that worker's error, as one server
+would stop), then serves; on SIGINT or SIGTERM it stops the PD workers, then the encode
+workers, and removes their socket directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from fovea import __version__
+from fovea.config import SWITCH, ServerSettings
+from fovea.errors import FoveaError
+from fovea.front.encoders import EncodeFleet
+from fovea.front.metrics import FrontMetrics, merge
+from fovea.front.pd_fleet import PdFleet, PdWorker
+from fovea.front.proxy import Proxy
+from fovea.front.uploads import UploadRecord
+from fovea.serve.body_limit import BodyLimitMiddleware
+from fovea.serve.error_handlers import install_error_handlers
+from fovea.serve.request_gate import RequestGate
+from fovea.serve.trailing_slash import StripTrailingSlash
+
+log = logging.getLogger("fovea.front")
+
+START_TIMEOUT_S = 900.0  # loading a large model in every PD worker can take minutes
+ENCODE_WATCH_S = 0.25
+WORKER_HEALTH_TIMEOUT_S = 5.0
+
+
+def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeFleet) -> FastAPI:
+    metrics = FrontMetrics()
+    proxy = Proxy(fleet, metrics, UploadRecord(settings.media.store_max_bytes, settings.media.store_ttl_s))
+    fleet.on_restart = lambda worker: metrics.pd_restarts.labels(pd_worker=str(worker.index)).inc()
+
+    async def watch_encoders() -> None:
+        while True:
+            encoders.check()
+            await asyncio.sleep(ENCODE_WATCH_S)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await proxy.open()
+        assert proxy.client is not None
+        tasks = [asyncio.create_task(fleet.watch(proxy.client, proxy.join)), asyncio.create_task(watch_encoders())]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await proxy.close()
+            await asyncio.to_thread(fleet.stop)
+            await asyncio.to_thread(encoders.stop)
+
+    app = FastAPI(title="fovea", version=__version__, lifespan=lifespan, redirect_slashes=False)
+    install_error_handlers(app)
+    app.add_middleware(RequestGate, api_key=settings.api_key,
+                       count=lambda route, status: metrics.requests.labels(route=route, status=str(status)).inc())
+
+    async def worker_health(worker: PdWorker) -> dict:
+        if worker.state not in ("ready", "starting"):
+            return {"health": None, "error": f"not running ({worker.state})"}
+        try:
+            reply = await proxy.fetch(worker, "/health", WORKER_HEALTH_TIMEOUT_S)
+            return {"health": reply.json(), "error": None}
+        except (httpx.HTTPError, ValueError) as exc:
+            return {"health": None, "error": f"{type(exc).__name__}: {exc}"}
+
+    @app.get("/health")
+    async def health():
+        checks = await asyncio.gather(*(worker_health(w) for w in fleet.workers))
+        pd = [{**w.status(), **check} for w, check in zip(fleet.workers, checks, strict=True)]
+        encode = encoders.status()
+        reasons, warnings = [], []
+        if not any(w["state"] == "ready" for w in pd):
+            reasons.append("no prefill/decode worker is ready: requests get 503 pd_unavailable until one is")
+        if not any(e["state"] == "ready" for e in encode):
+            reasons.append("no encode worker is ready: image requests get 503 until one is")
+        for worker in pd:
+            body = worker["health"] or {}
+            if worker["state"] == "ready" and body.get("status", "ok") != "ok":
+                reasons += [f"PD worker {worker['index']}: {r}" for r in body.get("reasons") or ["degraded"]]
+            elif worker["state"] != "ready":
+                warnings.append(f"PD worker {worker['index']} is {worker['state']} (restarts {worker['restarts']})")
+        warnings += [f"encode worker {e['index']} is {e['state']} (restarts {e['restarts']})"
+                     for e in encode if e["state"] != "ready"]
+        model = next((w["health"].get("model") for w in pd if w["health"]), settings.served_model_name)
+        status = "degraded" if reasons else "ok"
+        body = {"status": status, "reasons": reasons, "warnings": warnings, "model": model,
+                "topology": settings.topology, "front": {"pid": os.getpid()}, "pd_workers": pd,
+                "encode_workers": encode}
+        return JSONResponse(body, status_code=503 if (settings.strict and status != "ok") else 200)
+
+    @app.get("/metrics")
+    async def metrics_route():
+        ready = fleet.ready()
+        replies = await asyncio.gather(*(proxy.fetch(w, "/metrics", WORKER_HEALTH_TIMEOUT_S) for w in ready),
+                                       return_exceptions=True)
+        texts = {w.index: r.text for w, r in zip(ready, replies, strict=True)
+                 if isinstance(r, httpx.Response) and r.status_code == 200}
+        metrics.pd_ready.set(len(ready))
+        metrics.encode_ready.set(sum(e["state"] == "ready" for e in encoders.status()))
+        return Response(metrics.render() + merge(texts), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return await proxy.one(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await proxy.one(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await proxy.one(request)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        return await proxy.one(request)
+
+    @app.post("/v1/images")
+    async def upload_image(request: Request):
+        return await proxy.upload(request)
+
+    @app.get("/v1/images/{image_id}")
+    async def get_image(request: Request, image_id: str):
+        return await proxy.one(request)
+
+    @app.delete("/v1/images/{image_id}")
+    async def delete_image(request: Request, image_id: str):
+        return await proxy.delete(request, image_id)
+
+    @app.post("/fovea/canary")
+    async def canary(request: Request):
+        return await proxy.canary(request)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(StripTrailingSlash)
+    return app
+
+
+def await_start(fleet: PdFleet, encoders: EncodeFleet, timeout: float = START_TIMEOUT_S) -> None:
+    """Until every PD worker's /health answers; a worker of either kind that exits first stops
+    the front with its exit code (its own log, above, says why)."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(headers=fleet.headers) as client:
+        while True:
+            failed = encoders.failed_to_start()
+            if failed is not None:
+                raise FoveaError(f"encode worker {failed.index} exited with code {failed.process.exitcode} while "
+                                 "starting (its log above says why)")
+            encoders.check()
+            for worker in fleet.workers:
+                if worker.state != "starting":
+                    continue
+                if worker.exited():
+                    raise FoveaError(f"PD worker {worker.index} exited with code {worker.process.poll()} while "
+                                     "starting (its log above says why)")
+                with contextlib.suppress(httpx.HTTPError):
+                    client.get(worker.url + "/health", timeout=2.0)
+                    worker.state = "ready"
+            if all(w.state == "ready" for w in fleet.workers):
+                return
+            if time.monotonic() > deadline:
+                raise FoveaError(f"the PD workers were not ready within {timeout:.0f} s")
+            time.sleep(0.25)
+
+
+def _exit(signum: int, frame) -> None:
+    raise SystemExit(0)
+
+
+def run_front(settings: ServerSettings, argv: list[str], log_level: str) -> int:
+    """``argv``: the command line that started this front; each PD worker runs it with its own
+    overrides. Returns once the front has stopped and its children with it."""
+    import uvicorn
+
+    from fovea.serve.http_protocol import uvicorn_options
+
+    assert settings.pd_workers
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request and probe
+    encode_key, internal_key = secrets.token_bytes(32), secrets.token_urlsafe(32)
+    model = str(settings.model) if settings.model is not None else None
+    encoders = EncodeFleet(settings.encode_workers or 1, encode_key,
+                           (model, settings.device, settings.dtype, settings.vision_batch_size,
+                            SWITCH[settings.fused_vision], log_level))
+    fleet = PdFleet(settings.pd_workers, argv, encoders.sockets, internal_key, encode_key)
+    # Until uvicorn takes the signals over (and again after it hands them back), a stop signal
+    # unwinds through the cleanup below instead of leaving the children to their watchdogs.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit)
+    try:
+        encoders.start()
+        fleet.start()
+        started = time.monotonic()
+        await_start(fleet, encoders)
+        log.info("front: %d PD worker(s) and %d encode worker(s) ready in %.1f s", len(fleet.workers),
+                 len(encoders.procs), time.monotonic() - started)
+        app = create_front_app(settings, fleet, encoders)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower(), **uvicorn_options())
+    finally:
+        fleet.stop()
+        encoders.stop()
+        sys.stdout.flush()
+    return 0
