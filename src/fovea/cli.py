@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="e_pd: prefill/decode worker processes, each with its own engine; this process then "
                             "loads no model and is their front: it routes requests to them and runs the encode "
                             "workers they share (docs/disaggregation.md)")
+    serve.add_argument("--pd-timeout", type=float, default=None,
+                       help="--pd-workers: seconds a PD worker may leave /health unanswered before the front "
+                            "kills and restarts it, failing its requests with pd_worker_lost (default 30)")
     # A PD worker behind a front: started by the front alone, with these and its keys in the environment.
     serve.add_argument("--internal-pd-worker", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--internal-encode-socket", action="append", default=[], help=argparse.SUPPRESS)
@@ -203,6 +206,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
             served_model_name=args.served_model_name, engine=args.engine, topology=args.topology,
             encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, ray_address=args.ray_address,
             pd_workers=None if pd_worker else args.pd_workers,
+            pd_timeout_s=None if pd_worker else args.pd_timeout,
             encode_addresses=tuple(args.internal_encode_socket), encode_authkey=encode_key,
             vision_batch_size=args.vision_batch_size,
             max_batch_size=args.max_batch_size,

@@ -30,6 +30,7 @@ class ServerSettings:
     # e_pd: prefill/decode worker processes; set, this process is only a front that routes HTTP to
     # them and supervises them and the encode workers they share (fovea.front). None: it serves.
     pd_workers: int | None = None
+    pd_timeout_s: float | None = None  # --pd-workers: a PD worker silent on /health this long is killed; None: 30 s
     # A PD worker behind a front (internal): the shared encode workers' sockets, and their key.
     encode_addresses: tuple[str, ...] = ()
     encode_authkey: bytes | None = field(default=None, repr=False)
@@ -77,10 +78,14 @@ class ServerSettings:
             raise ValueError("--encode-workers must be at least 1")
         if self.ray_address is not None and self.topology != "e_pd":
             raise ValueError("--ray-address places encode workers: it needs --topology e_pd")
+        if self.pd_timeout_s is not None and self.pd_workers is None:
+            raise ValueError("--pd-timeout watches the PD workers of --pd-workers: it needs --pd-workers")
         if self.pd_workers is not None:
             if self.topology != "e_pd":
                 raise ValueError("--pd-workers runs prefill/decode workers that share encode workers: it needs "
                                  "--topology e_pd")
+            if self.pd_timeout_s is not None and self.pd_timeout_s <= 0:
+                raise ValueError("--pd-timeout must be a positive number of seconds")
             if self.pd_workers < 1:
                 raise ValueError("--pd-workers must be at least 1")
             if self.ray_address is not None:

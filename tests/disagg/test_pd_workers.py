@@ -35,6 +35,7 @@ QUESTION = "Describe the image."
 KEY = "front-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 WORKER = "x-fovea-pd-worker"
+PD_TIMEOUT_S = 10  # the front's --pd-timeout: generous for a 2-core CI machine under load
 
 
 @dataclass
@@ -75,7 +76,8 @@ def front():
     process = subprocess.Popen(
         [sys.executable, "-m", "fovea.cli", "--log-level", "warning", "serve", "--topology", "e_pd",
          "--pd-workers", "2", "--encode-workers", "2", "--device", "cpu", "--dtype", "float32", "--no-canary",
-         "--port", str(port), "--encode-timeout", "10", "--max-queue", "1024", "--api-key", KEY], env=env)
+         "--port", str(port), "--encode-timeout", "10", "--pd-timeout", str(PD_TIMEOUT_S), "--max-queue", "1024",
+         "--api-key", KEY], env=env)
     live = Front(f"http://127.0.0.1:{port}", process, before)
 
     def up():
@@ -304,6 +306,33 @@ def test_a_hung_shared_encode_worker_is_killed_by_its_client_and_restarted_by_th
     wait_for("the PD workers did not reconnect to the new encode worker", reconnected)
 
 
+def test_a_hung_pd_worker_is_killed_after_the_pd_timeout_and_replaced(front, demo_model):
+    before = health(front)["pd_workers"]
+    victim = before[0]
+    os.kill(victim["pid"], signal.SIGSTOP)  # alive, but answers nothing
+    images = [scenes.render(fresh_scene(84_000 + i)) for i in range(6)]
+    started = time.monotonic()
+    replies = asyncio.run(post_all(front.base, [chat(im) for im in images]))
+    # Those it held waited for the --pd-timeout, not for ever, then failed as lost.
+    assert time.monotonic() - started < PD_TIMEOUT_S + 60
+    for reply, want in zip(replies, agg_texts(demo_model, images), strict=True):
+        if reply.status_code == 200:
+            assert content(reply) == want
+        else:
+            assert reply.status_code == 503 and reply.json()["error"]["code"] == "pd_worker_lost", reply.text
+
+    def replaced():
+        worker = health(front)["pd_workers"][0]
+        return worker if worker["state"] == "ready" and worker["restarts"] > victim["restarts"] else None
+
+    worker = wait_for("the hung PD worker was not replaced", replaced)
+    assert worker["pid"] != victim["pid"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(victim["pid"], 0)  # the stopped process is gone, not left behind
+    again = asyncio.run(post_all(front.base, [chat(im) for im in images[:4]]))
+    assert [r.status_code for r in again] == [200] * 4
+
+
 def test_sigterm_stops_every_process_and_leaves_nothing_behind(front):
     body = health(front)
     pids = [w["pid"] for w in body["pd_workers"]] + [e["pid"] for e in body["encode_workers"]]
@@ -321,6 +350,8 @@ def test_sigterm_stops_every_process_and_leaves_nothing_behind(front):
     (["--pd-workers", "2"], "--pd-workers runs prefill/decode workers that share encode workers: it needs"),
     (["--pd-workers", "2", "--topology", "e_pd", "--ray-address", "local"],
      "--pd-workers shares encode-worker processes on this machine; it cannot be combined with --ray-address"),
+    (["--topology", "e_pd", "--pd-timeout", "5"], "--pd-timeout watches the PD workers of --pd-workers"),
+    (["--topology", "e_pd", "--pd-workers", "2", "--pd-timeout", "0"], "--pd-timeout must be a positive"),
 ])
 def test_pd_workers_without_e_pd_or_with_ray_are_refused_in_one_line(flags, message, capsys):
     assert main(["serve", "--device", "cpu", "--no-canary", *flags]) == 2

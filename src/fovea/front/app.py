@@ -28,7 +28,7 @@ from fovea.config import SWITCH, ServerSettings
 from fovea.errors import FoveaError
 from fovea.front.encoders import EncodeFleet
 from fovea.front.metrics import FrontMetrics, merge
-from fovea.front.pd_fleet import PdFleet, PdWorker
+from fovea.front.pd_fleet import HUNG_AFTER_S, PdFleet, PdWorker
 from fovea.front.proxy import Proxy
 from fovea.front.uploads import UploadRecord
 from fovea.serve.body_limit import BodyLimitMiddleware
@@ -200,7 +200,8 @@ def run_front(settings: ServerSettings, argv: list[str], log_level: str) -> int:
     encoders = EncodeFleet(settings.encode_workers or 1, encode_key,
                            (model, settings.device, settings.dtype, settings.vision_batch_size,
                             SWITCH[settings.fused_vision], log_level))
-    fleet = PdFleet(settings.pd_workers, argv, encoders.sockets, internal_key, encode_key)
+    fleet = PdFleet(settings.pd_workers, argv, encoders.sockets, internal_key, encode_key,
+                    hung_after_s=settings.pd_timeout_s or HUNG_AFTER_S)
     # Until uvicorn takes the signals over (and again after it hands them back), a stop signal
     # unwinds through the cleanup below instead of leaving the children to their watchdogs.
     for sig in (signal.SIGINT, signal.SIGTERM):

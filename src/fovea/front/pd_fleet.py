@@ -3,7 +3,10 @@
 A worker is "starting" until its ``/health`` answers (uvicorn listens only once the model is
 loaded and the canary has run), then it gets the images uploaded so far (``on_join``) and is
 "ready". One that exits is "dead" at once (its in-flight requests have already failed) and is
-started again on a fresh port, after a backoff when it keeps dying before it is ready.
+started again on a fresh port, after a backoff when it keeps dying before it is ready. A ready
+one whose ``/health`` goes unanswered for ``hung_after_s`` (``--pd-timeout``: stopped,
+deadlocked, swapping) is killed, so its requests fail with ``pd_worker_lost`` instead of
+waiting for ever, and it is restarted the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ log = logging.getLogger("fovea.front")
 
 WATCH_S = 0.25  # how often a worker's process and, while it starts, its /health are looked at
 PROBE_TIMEOUT_S = 2.0
+HEALTH_EVERY_S = 1.0  # how often a ready worker's /health is asked (a live one answers at once)
+HUNG_AFTER_S = 30.0  # --pd-timeout's default
 STOP_GRACE_S = 20.0
 
 
@@ -39,6 +44,8 @@ class PdWorker:
     failures: int = 0  # starts in a row that died before they were ready
     died_at: float = 0.0
     in_flight: int = 0
+    answered_at: float = 0.0  # when its /health last answered (ready workers)
+    asked_at: float = 0.0
     routed: int = 0  # requests sent to it, over all its restarts (the tie-break between idle workers)
 
     @property
@@ -59,8 +66,9 @@ class PdWorker:
 
 class PdFleet:
     def __init__(self, workers: int, argv: list[str], sockets: list[str], internal_key: str,
-                 encode_key: bytes) -> None:
+                 encode_key: bytes, hung_after_s: float = HUNG_AFTER_S) -> None:
         """``argv``: the front's command line, which each worker runs with its own overrides."""
+        self.hung_after_s = hung_after_s
         self.workers = [PdWorker(i) for i in range(workers)]
         self.argv, self.sockets = argv, sockets
         self.env = pd_worker_env(internal_key, encode_key)
@@ -135,8 +143,24 @@ class PdFleet:
                 else:
                     if worker.state == "starting" and not worker.exited():
                         worker.state, worker.failures = "ready", 0
+                        worker.answered_at = time.monotonic()
                         log.info("PD worker %d (pid %s, port %d) is ready", worker.index, worker.pid, worker.port)
+            if worker.state == "ready" and time.monotonic() - worker.asked_at >= HEALTH_EVERY_S:
+                await self._check_alive(client, worker)
             await asyncio.sleep(WATCH_S)
+
+    async def _check_alive(self, client: httpx.AsyncClient, worker: PdWorker) -> None:
+        worker.asked_at = now = time.monotonic()
+        if await self.probe(client, worker):
+            worker.answered_at = time.monotonic()
+        elif now - worker.answered_at > self.hung_after_s and not worker.exited():
+            log.warning("PD worker %d (pid %s) has not answered /health for %.0f s (--pd-timeout): killing it; "
+                        "its requests fail with pd_worker_lost and it is restarted", worker.index, worker.pid,
+                        now - worker.answered_at)
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.kill()  # type: ignore[union-attr]
+            worker.process.wait(10)  # type: ignore[union-attr]
+            self._mark_dead(worker)
 
     def stop(self) -> None:
         """SIGTERM (each worker's uvicorn shuts down: its encoder pool closes its shared
