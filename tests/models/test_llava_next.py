@@ -286,3 +286,21 @@ def test_the_canary_runs_on_this_family(llnext):
 
     result = asyncio.run(main())
     assert not result.ok and result.reasons
+
+
+def test_real_size_token_counts_equal_transformers_processor():
+    """The 7B checkpoint's own processor (336 px tiles, no weights needed): the counts LLaVA-1.6
+    is known for, and the ids transformers' processor builds for several images in one prompt."""
+    from fovea.models.llava_next import LlavaNextCodec
+    from fovea.testing.random_llava_next import ARCHITECTURES, build_processor
+
+    processor = build_processor(ARCHITECTURES["llava-v1.6-vicuna-7b"])
+    codec = LlavaNextCodec(processor, "<image>", processor.image_token_id, torch.float32)
+    sizes = [(672, 672), (1000, 700), (336, 1008), (50, 40)]
+    images = images_of(sizes, seed=60)
+    messages = messages_for(len(images), "you")
+    prompt = codec.encode(codec.render(messages), images)
+    assert prompt.image_token_counts[0] == 576 + 48 * 48 + 48 == 2928  # 672x672: 2x2 tiles, nothing unpadded
+    assert [image.grid[0] for image in prompt.images][:3] == [5, 5, 4]
+    assert prompt.input_ids == codec.reference_ids(messages, images)
+    assert len(set(prompt.image_token_counts)) == 4
