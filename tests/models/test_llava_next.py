@@ -304,3 +304,38 @@ def test_real_size_token_counts_equal_transformers_processor():
     assert [image.grid[0] for image in prompt.images][:3] == [5, 5, 4]
     assert prompt.input_ids == codec.reference_ids(messages, images)
     assert len(set(prompt.image_token_counts)) == 4
+
+
+@pytest.fixture(scope="module")
+def llnext_mistral(tmp_path_factory):
+    path = write_model_dir(tmp_path_factory.mktemp("llnext-mistral") / "tiny-llava-next-mistral",
+                           arch="tiny-mistral", seed=6)
+    return load_model(path, "cpu", "float32")
+
+
+def test_a_mistral_language_model_equals_transformers_generate(llnext_mistral):
+    """llava-v1.6-mistral's structure: Mistral's layers (no sliding window) on the paged engine."""
+    model = llnext_mistral
+    assert model.model.config.text_config.model_type == "mistral"
+    check_contract(model)
+    prompts = [chat(model, [noise(300, 200, 70), noise(90, 330, 71)], "you"), chat(model, [noise(64, 90, 72)], "a")]
+    engine = PagedEngine(model, PagedEngineConfig(num_blocks=256, max_num_batched_tokens=64))
+    for prompt, (tokens, finish) in zip(prompts, run(engine, [(p, GREEDY) for p in prompts])):
+        ref_tokens = reference_generate(model, prompt, 12)
+        assert ref_tokens and tokens[:len(ref_tokens)] == ref_tokens
+        assert (finish.first_logprobs - torch.log_softmax(reference_logits(model, prompt), -1)).abs().max() < 1e-4
+
+
+def test_a_mistral_sliding_window_shorter_than_the_context_is_refused(llnext_mistral):
+    import copy
+    import dataclasses
+
+    from fovea.engine.paged.llama import PagedLlama
+
+    spec = llnext_mistral.adapter.lm_spec(llnext_mistral.model)
+    windowed = copy.deepcopy(spec.config)
+    windowed.sliding_window = 256
+    with pytest.raises(ModelLoadError, match="sliding_window: 256"):
+        PagedLlama(dataclasses.replace(spec, config=windowed), 1024, None)
+    windowed.sliding_window = 1024  # as long as the context: no token is ever outside it
+    PagedLlama(dataclasses.replace(spec, config=windowed), 1024, None)

@@ -28,6 +28,7 @@ from transformers import (
     LlavaNextConfig,
     LlavaNextForConditionalGeneration,
     LlavaNextProcessor,
+    MistralConfig,
     PreTrainedTokenizerFast,
 )
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
@@ -58,6 +59,7 @@ class Architecture:
     max_positions: int = 4096
     image_size: int = 336
     patch_size: int = 14
+    text_model: str = "llama"  # or "mistral" (llava-v1.6-mistral-7b: Mistral's layers, no sliding window)
 
     @property
     def pinpoints(self) -> list[list[int]]:
@@ -69,7 +71,13 @@ class Architecture:
 ARCHITECTURES = {
     # llava-hf/llava-v1.6-vicuna-7b-hf: CLIP ViT-L/14 at 336 px (feature layer -2), Vicuna-7B (Llama).
     "llava-v1.6-vicuna-7b": Architecture(1024, 4096, 24, 16, 4096, 11008, 32, 32),
+    # llava-hf/llava-v1.6-mistral-7b-hf's structure: the same tower, a Mistral-7B language model
+    # (its text config says sliding_window null); with LLaVA-1.5's tokenizer here.
+    "llava-v1.6-mistral-7b": Architecture(1024, 4096, 24, 16, 4096, 14336, 32, 32, max_positions=32768,
+                                          text_model="mistral"),
     "tiny": Architecture(64, 128, 2, 2, 128, 256, 2, 4, max_positions=4096, image_size=112),
+    "tiny-mistral": Architecture(64, 128, 2, 2, 128, 256, 2, 4, max_positions=4096, image_size=112,
+                                 text_model="mistral"),
 }
 
 
@@ -87,11 +95,13 @@ def build_config(arch: Architecture) -> LlavaNextConfig:
                               num_hidden_layers=arch.vision_layers, num_attention_heads=arch.vision_heads,
                               image_size=arch.image_size, patch_size=arch.patch_size, projection_dim=768,
                               hidden_act="quick_gelu")
-    text = LlamaConfig(vocab_size=VOCAB, hidden_size=arch.text_hidden, intermediate_size=arch.text_intermediate,
+    text_class = MistralConfig if arch.text_model == "mistral" else LlamaConfig
+    extra = {"sliding_window": None, "head_dim": arch.text_hidden // arch.text_heads} if arch.text_model == "mistral" else {}
+    text = text_class(vocab_size=VOCAB, hidden_size=arch.text_hidden, intermediate_size=arch.text_intermediate,
                        num_hidden_layers=arch.text_layers, num_attention_heads=arch.text_heads,
                        num_key_value_heads=arch.text_heads, max_position_embeddings=arch.max_positions,
                        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=PAD_ID,
-                       tie_word_embeddings=False)
+                       tie_word_embeddings=False, **extra)
     tokens = (arch.image_size // arch.patch_size) ** 2
     return LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_ID,
                            projector_hidden_act="gelu", vision_feature_select_strategy="default",
