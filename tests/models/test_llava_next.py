@@ -339,3 +339,18 @@ def test_a_mistral_sliding_window_shorter_than_the_context_is_refused(llnext_mis
         PagedLlama(dataclasses.replace(spec, config=windowed), 1024, None)
     windowed.sliding_window = 1024  # as long as the context: no token is ever outside it
     PagedLlama(dataclasses.replace(spec, config=windowed), 1024, None)
+
+
+def test_the_contract_refuses_processor_pinpoints_that_differ_from_the_config(llnext, tmp_path):
+    copy = tmp_path / "other-pinpoints"
+    shutil.copytree(llnext.path, copy)
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        data = json.loads((copy / name).read_text())
+        target = data.get("image_processor", data)
+        target["image_grid_pinpoints"] = [[112, 224], [224, 112], [336, 112], [112, 336]]  # no 2x2
+        (copy / name).write_text(json.dumps(data))
+    broken = load_model(copy, "cpu", "float32")
+    assert broken.codec.image_processor.image_grid_pinpoints == [[112, 224], [224, 112], [336, 112], [112, 336]]
+    with pytest.raises(ContractError) as info:
+        check_contract(broken)
+    assert "image_grid_pinpoints" in str(info.value)

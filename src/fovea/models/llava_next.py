@@ -110,6 +110,18 @@ class LlavaNextCodec(LlavaCodec):
         return EncodedPrompt(input_ids, inputs, text)
 
 
+def check_tiles(config: Any, image: ImageInput) -> None:
+    """The packing reads the grid from the model config's pinpoints: an image the processor cut
+    by other pinpoints would be stitched wrong, so it is refused here (the contract's probe)."""
+    expected = image_size_to_num_patches(list(image.grid[1:]), config.image_grid_pinpoints,
+                                         config.vision_config.image_size)
+    if image.pixels.shape[0] != expected:
+        raise ValueError(
+            f"a {image.grid[2]}x{image.grid[1]} px image came with {image.pixels.shape[0]} tiles, but the model "
+            f"config's image_grid_pinpoints {config.image_grid_pinpoints} give {expected}: the processor's "
+            "image_grid_pinpoints (preprocessor_config.json) must equal config.json's")
+
+
 def tile_side(image_processor: Any) -> int:
     crop = getattr(image_processor, "crop_size", None) or {}
     crop = crop if isinstance(crop, dict) else {"height": getattr(crop, "height", None)}
@@ -173,6 +185,8 @@ class LlavaNextAdapter(LlavaAdapter):
 
         @torch.inference_mode()
         def run(images: list[ImageInput]) -> list[torch.Tensor]:
+            for image in images:
+                check_tiles(config, image)
             pixels = torch.cat([image.pixels for image in images])
             features = encode_images(loaded, pixels)  # [all tiles, tokens per tile, lm_hidden]
             per_image = features.split([image.pixels.shape[0] for image in images])
