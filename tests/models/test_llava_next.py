@@ -354,3 +354,22 @@ def test_the_contract_refuses_processor_pinpoints_that_differ_from_the_config(ll
     with pytest.raises(ContractError) as info:
         check_contract(broken)
     assert "image_grid_pinpoints" in str(info.value)
+
+
+def test_an_encode_worker_gives_the_same_rows_as_this_process(llnext):
+    """E/PD: images of different tile counts cross to a separate encode-only process (its plan
+    built from the family's dummy images) and come back bit-identical, with their grids checked."""
+    from fovea.disagg.encoder_pool import EncoderPool
+
+    contract = check_contract(llnext)
+    pool = EncoderPool(llnext.path, workers=1, device="cpu", dtype="float32", model_id=contract.model_fingerprint,
+                       recipe_fingerprint=contract.recipe_fingerprint, hidden=contract.lm_hidden, batch_images=8)
+    pool.start()
+    try:
+        images = chat(llnext, images_of([(300, 200), (1, 1), (90, 330), (224, 224)], seed=80)).images
+        rows = pool.encode(images)
+    finally:
+        pool.stop()
+    reference = llnext.adapter.vision_forward(llnext)(images)
+    assert [r.shape[0] for r in rows] == [image.num_tokens for image in images]
+    assert all(torch.equal(got, want) for got, want in zip(rows, reference, strict=True))
