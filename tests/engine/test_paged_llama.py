@@ -117,6 +117,6 @@ def test_rope_matches_transformers_and_refuses_unknown_scaling(demo_model):
 
 
 def test_a_non_llama_language_model_is_refused(demo_model, monkeypatch):
-    monkeypatch.setattr(demo_model.model.config.text_config, "model_type", "mistral")
-    with pytest.raises(ModelLoadError, match="mistral"):
+    monkeypatch.setattr(demo_model.model.config.text_config, "model_type", "gemma2")
+    with pytest.raises(ModelLoadError, match="gemma2"):
         PagedLlama(demo_model.adapter.lm_spec(demo_model.model), 64, None)

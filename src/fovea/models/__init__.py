@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from fovea.models.base import EncodedPrompt, ImageInput, ModelAdapter, PlaceholderMismatch, PromptCodec
 from fovea.models.llava import LlavaAdapter
+from fovea.models.llava_next import LlavaNextAdapter
 from fovea.models.qwen2_5_vl import Qwen2_5_VLAdapter
 
-_FAMILIES: tuple[type[ModelAdapter], ...] = (LlavaAdapter, Qwen2_5_VLAdapter)
+_FAMILIES: tuple[type[ModelAdapter], ...] = (LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter)
 ADAPTERS: dict[str, type[ModelAdapter]] = {t: cls for cls in _FAMILIES for t in cls.family.model_types}
 
 

@@ -134,7 +134,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 # Text models with Llama's layer structure (q/k/v/o, gate/up/down, RMSNorm, SiLU, RoPE).
-LLAMA_STYLE = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+# Mistral is Llama's layers with an optional sliding window (refused below where it can bite).
+LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 def mrope_cos_sin(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -156,6 +157,10 @@ class PagedLlama:
             raise ModelLoadError(f"the paged engine needs hidden_act 'silu', not {text.hidden_act!r}")
         if getattr(text, "use_sliding_window", False):
             raise ModelLoadError("the paged engine does not run sliding-window attention (use_sliding_window: true)")
+        window = getattr(text, "sliding_window", None) if text.model_type == "mistral" else None
+        if window is not None and window < max_positions:
+            raise ModelLoadError(f"the paged engine does not run sliding-window attention (sliding_window: {window}, "
+                                 f"below the {max_positions} positions served)")
         lm = spec.language_model
         self.num_heads = text.num_attention_heads
         self.num_kv_heads = getattr(text, "num_key_value_heads", None) or self.num_heads
