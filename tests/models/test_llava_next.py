@@ -156,32 +156,9 @@ def test_placeholder_counts_are_checked_before_the_engine(llnext):
         encode_prompt(llnext, text, [], template_rendered=False)
 
 
-def test_the_vision_part_alone_encodes_as_the_whole_model(llnext, monkeypatch):
+def test_the_vision_part_alone_encodes_as_the_whole_model(llnext, tensor_reads):
     """The encode-only loader: tower, projector and image_newline, no language-model tensor."""
-    from fovea.model import vision_part
-
-    read: list[str] = []
-    real_open = vision_part.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.inner.get_tensor(name)
-
-    monkeypatch.setattr(vision_part, "safe_open", Recording)
+    read = tensor_reads
     part = load_vision_part(llnext.path, "cpu", "float32")
     assert read and not any("language_model" in name or name.startswith("lm_head") for name in read)
     assert "model.image_newline" in read and len(read) == len(part.model.state_dict())

@@ -45,32 +45,9 @@ def test_a_checkpoint_without_its_vision_weights_is_refused(qwen, tmp_path):  # 
         load_vision_part(copy, "cpu", "float32")
 
 
-def test_no_language_model_tensor_is_read(qwen, monkeypatch):  # noqa: F811
+def test_no_language_model_tensor_is_read(qwen, tensor_reads):  # noqa: F811
     """What an encode worker needs of the checkpoint: the tower's tensors, nothing else."""
-    from fovea.model import vision_part
-
-    read: list[str] = []
-    real_open = vision_part.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.inner.get_tensor(name)
-
-    monkeypatch.setattr(vision_part, "safe_open", Recording)
+    read = tensor_reads
     part = load_vision_part(qwen.path, "cpu", "float32")
     assert read and all(name.startswith("model.visual.") for name in read)
     assert len(read) == len(part.model.state_dict())

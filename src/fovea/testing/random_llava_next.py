@@ -44,21 +44,13 @@ from fovea.testing.random_llava import (
     cli,
     write_weights,
 )
+from fovea.testing.random_llava import Architecture as LlavaArchitecture
 
 
 @dataclass(frozen=True)
-class Architecture:
-    vision_hidden: int
-    vision_intermediate: int
-    vision_layers: int
-    vision_heads: int
-    text_hidden: int
-    text_intermediate: int
-    text_layers: int
-    text_heads: int
-    max_positions: int = 4096
-    image_size: int = 336
-    patch_size: int = 14
+class Architecture(LlavaArchitecture):
+    """random_llava's architecture, with the language model's family."""
+
     text_model: str = "llama"  # or "mistral" (llava-v1.6-mistral-7b: Mistral's layers, no sliding window)
 
     @property
