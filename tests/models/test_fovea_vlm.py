@@ -230,3 +230,51 @@ def test_the_unedited_copy_loads(dirs, tmp_path):
     copy = tmp_path / "intact"
     shutil.copytree(dirs["tiny"], copy)
     assert load_model(copy, "cpu", "float32").processor.tokens_per_image == 16
+
+
+def test_tied_embeddings_need_no_lm_head_tensor(dirs, tmp_path):
+    """text_config.tie_word_embeddings: the checkpoint without language_model.lm_head.weight
+    loads, the engine reads the logits from the embeddings, and matches the reference."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "tied"
+    shutil.copytree(dirs["tiny"], copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["text_config"]["tie_word_embeddings"] = True
+    config.pop("tie_word_embeddings", None)
+    (copy / "config.json").write_text(json.dumps(config))
+    index = json.loads((copy / "model.safetensors.index.json").read_text())
+    (file,) = set(index["weight_map"].values())
+    tensors = {k: v for k, v in load_file(copy / file).items() if k != "language_model.lm_head.weight"}
+    save_file(tensors, copy / file, metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in tensors}
+    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_model(copy, "cpu", "float32")
+    lm = model.model.language_model
+    assert lm.lm_head.weight.data_ptr() == lm.model.embed_tokens.weight.data_ptr()
+    assert model.adapter.lm_spec(model.model).lm_head is None
+    prompt = chat(model, [noise(90, 60, 40)], "you")
+    ((tokens, finish),) = run(PagedEngine(model, PagedEngineConfig(num_blocks=64)), [(prompt, GREEDY)])
+    ref_tokens = reference_generate(model, prompt, GREEDY.max_tokens)
+    assert ref_tokens and tokens[:len(ref_tokens)] == ref_tokens
+    assert (finish.first_logprobs - torch.log_softmax(reference_logits(model, prompt), -1)).abs().max() < 1e-4
+
+
+def test_the_canary_runs_on_this_family(vlm):
+    """Random weights cannot name colours, so the canary must fail here, and say why, not crash."""
+    import asyncio
+
+    from fovea.guard.canary import Canary
+
+    _, model = vlm
+
+    async def main():
+        engine = PagedEngine(model, PagedEngineConfig(num_blocks=256))
+        engine.start()
+        try:
+            return await Canary(model, engine).run()
+        finally:
+            engine.stop()
+
+    result = asyncio.run(main())
+    assert not result.ok and result.reasons
