@@ -278,3 +278,37 @@ def test_the_canary_runs_on_this_family(vlm):
 
     result = asyncio.run(main())
     assert not result.ok and result.reasons
+
+
+def test_a_tower_saved_with_its_vision_model_level_loads_the_same(dirs, tmp_path):
+    """``vision_tower.vision_model.*`` (the layout transformers 4 saved CLIP/SigLIP towers in)
+    loads into the same tensors, in the whole model and the encode-only loader."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "v4-names"
+    shutil.copytree(dirs["tiny-clip-llama"], copy)
+    index = json.loads((copy / "model.safetensors.index.json").read_text())
+    (file,) = set(index["weight_map"].values())
+    tensors = {(k.replace("vision_tower.", "vision_tower.vision_model.", 1) if k.startswith("vision_tower.") else k): v
+               for k, v in load_file(copy / file).items()}
+    assert any(k.startswith("vision_tower.vision_model.") for k in tensors)
+    save_file(tensors, copy / file, metadata={"format": "pt"})
+    index["weight_map"] = dict.fromkeys(tensors, file)
+    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    renamed, original = load_model(copy, "cpu", "float32"), load_model(dirs["tiny-clip-llama"], "cpu", "float32")
+    ours, theirs = renamed.model.state_dict(), original.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    part = load_vision_part(copy, "cpu", "float32")
+    images = chat(original, [noise(90, 60, 50)]).images
+    assert torch.equal(part.adapter.vision_forward(part)(images)[0], original.adapter.vision_forward(original)(images)[0])
+
+
+def test_a_torchvision_image_processor_is_refused(dirs, monkeypatch):
+    import fovea.models.fovea_vlm as family
+
+    class SiglipImageProcessorFast:  # what an older transformers with torchvision resolves to
+        pass
+
+    monkeypatch.setattr(family.AutoImageProcessor, "from_pretrained", lambda *a, **k: SiglipImageProcessorFast())
+    with pytest.raises(ModelLoadError, match="torchvision"):
+        load_model(dirs["tiny"], "cpu", "float32")
