@@ -312,3 +312,13 @@ def test_a_torchvision_image_processor_is_refused(dirs, monkeypatch):
     monkeypatch.setattr(family.AutoImageProcessor, "from_pretrained", lambda *a, **k: SiglipImageProcessorFast())
     with pytest.raises(ModelLoadError, match="torchvision"):
         load_model(dirs["tiny"], "cpu", "float32")
+
+
+def test_the_codec_survives_pickling_for_preprocessing_workers(vlm):
+    import pickle
+
+    _, model = vlm
+    copy = pickle.loads(pickle.dumps(model.codec))
+    images = [noise(50, 70, 60)]
+    ours, theirs = copy.encode(copy.render(messages_for(1)), images), chat(model, images)
+    assert ours.input_ids == theirs.input_ids and ours.image_hashes == theirs.image_hashes
