@@ -7,11 +7,12 @@ add it to ``_FAMILIES`` below.
 from __future__ import annotations
 
 from fovea.models.base import EncodedPrompt, ImageInput, ModelAdapter, PlaceholderMismatch, PromptCodec
+from fovea.models.fovea_vlm import FoveaVLMAdapter
 from fovea.models.llava import LlavaAdapter
 from fovea.models.llava_next import LlavaNextAdapter
 from fovea.models.qwen2_5_vl import Qwen2_5_VLAdapter
 
-_FAMILIES: tuple[type[ModelAdapter], ...] = (LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter)
+_FAMILIES: tuple[type[ModelAdapter], ...] = (LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter, FoveaVLMAdapter)
 ADAPTERS: dict[str, type[ModelAdapter]] = {t: cls for cls in _FAMILIES for t in cls.family.model_types}
 
 
