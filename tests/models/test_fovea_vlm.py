@@ -133,32 +133,9 @@ def test_fovea_serve_answers_a_chat_with_an_image(vlm):
         stop_server(server, thread)
 
 
-def test_the_encode_only_loader_reads_no_language_model_tensor(vlm, monkeypatch):
-    from fovea.model import vision_part
-
+def test_the_encode_only_loader_reads_no_language_model_tensor(vlm, tensor_reads):
     _, model = vlm
-    read: list[str] = []
-    real_open = vision_part.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self.inner = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self.inner.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.inner.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self.inner.get_tensor(name)
-
-    monkeypatch.setattr(vision_part, "safe_open", Recording)
+    read = tensor_reads
     part = load_vision_part(model.path, "cpu", "float32")
     assert read and not any(name.startswith("language_model.") for name in read)
     assert {name.split(".")[0] for name in read} == {"vision_tower", "projector"}

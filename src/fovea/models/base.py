@@ -99,6 +99,16 @@ def tokenize_rendered(tokenizer: Any, text: str) -> dict[str, bool]:
     return {"add_special_tokens": not (bos and text.startswith(bos))}
 
 
+def text_only_prompt(tokenizer: Any, text: str, kwargs: dict, image_token: str, image_token_id: int) -> EncodedPrompt:
+    """A prompt without images; refused if its text still holds image tokens (typed by hand)."""
+    ids = list(tokenizer(text, **kwargs)["input_ids"])
+    if image_token_id in ids:
+        raise PlaceholderMismatch(
+            f"the text contains {ids.count(image_token_id)} image token(s) but no image was sent; "
+            f"remove {image_token!r} from the text or attach the image.")
+    return EncodedPrompt(ids, [], text)
+
+
 def check_placeholders(text: str, image_token: str, images: int, template_rendered: bool) -> None:
     placeholders = text.count(image_token)
     if placeholders != images:

@@ -40,6 +40,7 @@ from fovea.models.base import (
     PlaceholderMismatch,
     check_placeholders,
     pixel_hash,
+    text_only_prompt,
     tokenize_rendered,
 )
 from fovea.models.llava import NORMALISATION_FIELDS, LlavaAdapter, LlavaCodec
@@ -85,12 +86,7 @@ class LlavaNextCodec(LlavaCodec):
         check_placeholders(text, self.image_token, len(images), template_rendered)
         kwargs = tokenize_rendered(self.tokenizer, text) if template_rendered else {}
         if not images:
-            ids = self.tokenizer(text, **kwargs)["input_ids"]
-            if self.image_token_id in ids:
-                raise PlaceholderMismatch(
-                    f"the text contains {ids.count(self.image_token_id)} image token(s) but no image was sent; "
-                    f"remove {self.image_token!r} from the text or attach the image.")
-            return EncodedPrompt(list(ids), [], text)
+            return text_only_prompt(self.tokenizer, text, kwargs, self.image_token, self.image_token_id)
         encoded = self.processor(text=text, images=images, return_tensors="pt", text_kwargs=kwargs)
         input_ids = encoded["input_ids"][0].tolist()
         sizes = [(int(h), int(w)) for h, w in encoded["image_sizes"].tolist()]
