@@ -40,10 +40,10 @@ class MediaConfig:
     large_decode_budget_bytes: int = 512 * MiB
     # Videos (models that take them): the encoded size, the frames sampled from one video (at
     # the model's fps; the model's token cost grows with it), its duration and each frame's pixels.
-    max_video_bytes: int = 64 * MiB
+    max_video_bytes: int = 20 * MiB
     max_video_frames: int = 64
     max_video_seconds: float = 600.0
-    max_video_frame_pixels: int = 3840 * 2160
+    max_video_frame_pixels: int = 1920 * 1080
 
     def __post_init__(self) -> None:
         _positive_int("max_image_bytes", self.max_image_bytes)

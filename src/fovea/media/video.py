@@ -112,8 +112,10 @@ def load_video_bytes(ref: str, config: MediaConfig) -> bytes:
 
 
 def decode_video_bytes(data: bytes, config: MediaConfig, fps: float, min_frames: int = 4,
-                       temporal_patch_size: int = 2) -> DecodedVideo:
-    """The video's frames sampled at ``fps`` (at most ``config.max_video_frames``), RGB."""
+                       temporal_patch_size: int = 2, max_frames: int | None = None) -> DecodedVideo:
+    """The video's frames sampled at ``fps`` (at most ``max_frames``, by default
+    ``config.max_video_frames``), RGB."""
+    max_frames = max_frames or config.max_video_frames
     import av  # imported here: only servers of video models need it at start-up
 
     check_video_bytes(len(data), config)
@@ -145,7 +147,7 @@ def decode_video_bytes(data: bytes, config: MediaConfig, fps: float, min_frames:
     if seconds > config.max_video_seconds:
         raise VideoTooLarge(f"The video is {seconds:.1f} s long; this server accepts videos up to "
                             f"{config.max_video_seconds:g} s (--max-video-seconds). Trim it.")
-    wanted = sample_indices(total, source_fps, fps, config.max_video_frames, min_frames, temporal_patch_size)
+    wanted = sample_indices(total, source_fps, fps, max_frames, min_frames, temporal_patch_size)
     frames: dict[int, Image.Image] = {}
     decoded = 0
     try:
@@ -169,6 +171,6 @@ def decode_video_bytes(data: bytes, config: MediaConfig, fps: float, min_frames:
     # Fewer decodable frames than packets (a truncated tail): sample what decoded, the same way.
     if len(frames) < len(wanted):
         total = decoded
-        wanted = sample_indices(total, source_fps, fps, config.max_video_frames, min_frames, temporal_patch_size)
+        wanted = sample_indices(total, source_fps, fps, max_frames, min_frames, temporal_patch_size)
         wanted = [i for i in wanted if i in frames] or [max(frames)]
     return DecodedVideo([frames[i] for i in wanted], wanted, total, source_fps)
