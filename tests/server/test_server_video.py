@@ -102,6 +102,23 @@ def test_the_video_token_typed_as_text_is_refused(qwen_server):
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "image_placeholder_mismatch"
 
 
+def test_the_video_token_is_refused_in_generate_and_completions(qwen_server):
+    base, _ = qwen_server
+    generate = httpx.post(base + "/generate", json={"prompt": "you <|video_pad|>", "max_tokens": 2}, timeout=60)
+    assert generate.status_code == 400 and generate.json()["error"]["code"] == "image_placeholder_mismatch"
+    raw = httpx.post(base + "/v1/completions", json={"prompt": "you <|video_pad|>", "max_tokens": 2}, timeout=60)
+    assert raw.status_code == 400 and raw.json()["error"]["code"] == "image_placeholder_mismatch"
+
+
+def test_grounding_runs_on_a_video_prompt(qwen_server):
+    base, _ = qwen_server
+    payload = body([{"type": "video_url", "video_url": {"url": video_url(make_mp4(COLOURS, fps=4))}}])
+    payload["fovea"] = {"grounding": True}
+    reply = post(base, payload)
+    assert reply.status_code == 200, reply.text
+    assert "grounding" in reply.json().get("fovea", {}), reply.json()
+
+
 def test_modality_errors_are_counted(qwen_server):
     base, _ = qwen_server
     post(base, body([{"type": "video_url", "video_url": {"url": video_url(b"junk" * 50)}}]))

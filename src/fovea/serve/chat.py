@@ -42,6 +42,14 @@ def refuse_typed_placeholder(text: str, image_token: str, where: str) -> None:
             param=where)
 
 
+def refuse_typed_video_token(state: ServerState, text: str, where: str) -> None:
+    """The video token typed as text would be read as a video slot with no video behind it."""
+    token = getattr(state.loaded.codec, "video_token", None)
+    if token and token in text:
+        raise PlaceholderMismatch(f"{where} contains the text {token!r}, which this model reserves for videos; "
+                                  "remove it and send videos as video_url parts.", param=where)
+
+
 def to_template_messages(messages: list[ChatMessage], image_token: str = "<image>",
                          videos: list[tuple[str, str]] | None = None
                          ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
@@ -127,10 +135,7 @@ async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest
             texts = [message.content] if isinstance(message.content, str) else \
                 [p.text for p in message.content or [] if not isinstance(p, (ImageURLPart, VideoURLPart))]
             for text in texts:
-                if video_token in text:
-                    raise PlaceholderMismatch(f"messages[{i}] contains the text {video_token!r}, which this model "
-                                              "reserves for videos; remove it and send videos as video_url parts.",
-                                              param=f"messages[{i}].content")
+                refuse_typed_video_token(state, text, f"messages[{i}].content")
     if video_refs and len(refs) + len(video_refs) > state.settings.limit_images_per_prompt:
         raise TooManyImages(f"the request carries {len(refs)} images and {len(video_refs)} videos; this server "
                             f"accepts at most {state.settings.limit_images_per_prompt} of them together per prompt "
