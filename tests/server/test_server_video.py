@@ -132,3 +132,24 @@ def test_a_model_without_video_refuses_the_part(live_server):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["code"] == "videos_not_supported" and error["param"] == "messages[0].content[0]"
+
+
+def test_videos_cross_preprocessing_worker_processes(qwen):
+    """With --preprocess-workers the codec (and its video recipe) runs in a spawned process:
+    the prompt it returns is the in-process one."""
+    import asyncio
+
+    from fovea.model.contract import check_contract
+    from fovea.serve.preprocess import Preprocessor, build_prompts
+
+    media = MediaConfig()
+    mp4 = make_mp4(COLOURS, fps=4)
+    text = render_chat(qwen, [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "you"}]}])
+    local, _ = build_prompts(qwen.codec, media, None, text, [], True, False, [(mp4, "v")])
+    pre = Preprocessor(qwen, media, 1, check_contract(qwen).recipe_fingerprint)
+    try:
+        remote, _ = asyncio.run(pre.prompts(text, [], videos=[(mp4, "v")]))
+    finally:
+        pre.close()
+    assert remote.input_ids == local.input_ids and remote.positions == local.positions
+    assert remote.images[0].hash == local.images[0].hash and remote.images[0].seconds_per_grid == 1.0
