@@ -35,6 +35,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = _non_negative_float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
 def _workers(text: str) -> int:
     return 0 if text == "auto" else _non_negative_int(text)
 
@@ -134,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest encoded video accepted (default 20 MiB; video models only)")
     serve.add_argument("--max-video-frames", type=positive_int, default=None,
                        help="most frames sampled from one video at the model's fps (default 64)")
-    serve.add_argument("--max-video-seconds", type=_non_negative_float, default=None,
+    serve.add_argument("--max-video-seconds", type=_positive_seconds, default=None,
                        help="longest video accepted, in seconds (default 600)")
     serve.add_argument("--max-video-frame-pixels", type=positive_int, default=None,
                        help="largest video frame accepted, in pixels (default 1920x1080 = 2,073,600)")
