@@ -23,6 +23,10 @@ GiB = 2**30
     (["--kv-cache-memory", "lots"], "'lots' is not a size"),
     (["--max-model-len", "0"], "argument --max-model-len: must be at least 1"),
     (["--canary-interval", "-1"], "must be 0 or more"),
+    (["--max-video-bytes", "0"], "argument --max-video-bytes: must be at least 1 byte"),
+    (["--max-video-frames", "0"], "argument --max-video-frames: must be at least 1"),
+    (["--max-video-seconds", "0"], "must be a positive number of seconds"),
+    (["--max-video-frame-pixels", "0"], "argument --max-video-frame-pixels: must be at least 1"),
 ])
 def test_bad_values_are_refused_in_one_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -50,6 +54,10 @@ def test_flags_reach_the_settings_as_given():
                                       "--max-model-len", "512"])
     assert (args.max_batch_size, args.max_image_bytes, args.kv_cache_memory) == (3, 2**20, 2 * GiB)
     assert (args.gpu_memory_utilization, args.max_model_len) == (0.45, 512)
+    video = build_parser().parse_args(["serve", "--max-video-bytes", "1MiB", "--max-video-frames", "8",
+                                       "--max-video-seconds", "30", "--max-video-frame-pixels", "640000"])
+    assert (video.max_video_bytes, video.max_video_frames, video.max_video_seconds,
+            video.max_video_frame_pixels) == (2**20, 8, 30.0, 640_000)
 
 
 def test_sizes_read_binary_and_decimal_units():

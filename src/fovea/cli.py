@@ -35,6 +35,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = _non_negative_float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
 def _workers(text: str) -> int:
     return 0 if text == "auto" else _non_negative_int(text)
 
@@ -130,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest encoded image accepted (default 20 MiB)")
     serve.add_argument("--max-image-pixels", type=positive_int, default=None,
                        help="largest image accepted, in pixels (default 40,000,000)")
+    serve.add_argument("--max-video-bytes", type=byte_size, default=None,
+                       help="largest encoded video accepted (default 20 MiB; video models only)")
+    serve.add_argument("--max-video-frames", type=positive_int, default=None,
+                       help="most frames sampled from one video at the model's fps (default 64)")
+    serve.add_argument("--max-video-seconds", type=_positive_seconds, default=None,
+                       help="longest video accepted, in seconds (default 600)")
+    serve.add_argument("--max-video-frame-pixels", type=positive_int, default=None,
+                       help="largest video frame accepted, in pixels (default 1920x1080 = 2,073,600)")
 
     chat = sub.add_parser("chat", help="answer one question about one or more images and exit")
     _model_args(chat)
@@ -194,6 +209,9 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         media_kwargs["max_image_pixels"] = args.max_image_pixels
     if args.decode_memory is not None:
         media_kwargs["large_decode_budget_bytes"] = args.decode_memory
+    for name in ("max_video_bytes", "max_video_frames", "max_video_seconds", "max_video_frame_pixels"):
+        if getattr(args, name) is not None:
+            media_kwargs[name] = getattr(args, name)
     pd_worker = args.internal_pd_worker is not None
     api_key, encode_key = args.api_key, None
     if pd_worker:  # its port takes the front's key only; the front checks the clients' own

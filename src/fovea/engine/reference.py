@@ -18,7 +18,7 @@ from fovea.models.base import EncodedPrompt
 def reference_generate(loaded: LoadedModel, prompt: EncodedPrompt, max_new_tokens: int) -> list[int]:
     """Greedy tokens from transformers' ``generate``, up to (not including) an end-of-sequence
     token, as the engine reports them."""
-    ids = torch.tensor([prompt.input_ids], device=loaded.device)
+    ids = torch.tensor([loaded.adapter.reference_ids(prompt, loaded.image_token_id)], device=loaded.device)
     extra = loaded.adapter.reference_inputs(prompt, loaded.device, loaded.image_token_id)
     out = loaded.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, **extra)
@@ -30,7 +30,7 @@ def reference_generate(loaded: LoadedModel, prompt: EncodedPrompt, max_new_token
 @torch.inference_mode()
 def reference_logits(loaded: LoadedModel, prompt: EncodedPrompt) -> torch.Tensor:
     """[vocab] float32 logits of the first generated token: transformers' forward on the prompt."""
-    ids = torch.tensor([prompt.input_ids], device=loaded.device)
+    ids = torch.tensor([loaded.adapter.reference_ids(prompt, loaded.image_token_id)], device=loaded.device)
     extra = loaded.adapter.reference_inputs(prompt, loaded.device, loaded.image_token_id)
     out = loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **extra)
     return out.logits[0, -1].float()

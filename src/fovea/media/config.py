@@ -38,6 +38,12 @@ class MediaConfig:
     # small ones never wait for them.
     large_image_pixels: int = 4_000_000
     large_decode_budget_bytes: int = 512 * MiB
+    # Videos (models that take them): the encoded size, the frames sampled from one video (at
+    # the model's fps; the model's token cost grows with it), its duration and each frame's pixels.
+    max_video_bytes: int = 20 * MiB
+    max_video_frames: int = 64
+    max_video_seconds: float = 600.0
+    max_video_frame_pixels: int = 1920 * 1080
 
     def __post_init__(self) -> None:
         _positive_int("max_image_bytes", self.max_image_bytes)
@@ -51,6 +57,10 @@ class MediaConfig:
         _positive_int("large_image_pixels", self.large_image_pixels)
         _positive_int("large_decode_budget_bytes", self.large_decode_budget_bytes)
         _positive_number("fetch_timeout_s", self.fetch_timeout_s)
+        _positive_int("max_video_bytes", self.max_video_bytes)
+        _positive_int("max_video_frames", self.max_video_frames)
+        _positive_number("max_video_seconds", self.max_video_seconds)
+        _positive_int("max_video_frame_pixels", self.max_video_frame_pixels)
         _positive_number("store_ttl_s", self.store_ttl_s)
         if not isinstance(self.allow_private_addresses, bool):
             raise TypeError("allow_private_addresses must be True or False.")

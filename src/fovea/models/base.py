@@ -42,6 +42,12 @@ class ImageInput:
     num_tokens: int  # image-token positions it fills in the prompt
     hash: str  # content hash of what the model sees (the encoder- and prefix-cache key)
     grid: tuple[int, int, int] | None = None  # (t, h, w) in patches, for dynamic-resolution towers
+    # A video (Qwen2.5-VL): seconds of video per temporal patch (None: an image), and the token
+    # transformers marks its positions with. In the engine's token ids every vision position
+    # carries the image token: its embedding is replaced by the tower's rows, so the id only
+    # marks the slot; ``ModelAdapter.reference_ids`` restores the video token for transformers.
+    seconds_per_grid: float | None = None
+    token_id: int | None = None
 
 
 @dataclass
@@ -124,6 +130,9 @@ def check_placeholders(text: str, image_token: str, images: int, template_render
 class PromptCodec(ABC):
     """Rendered chat text + decoded images -> an ``EncodedPrompt``. Holds no weights and is
     picklable: preprocessing worker processes each get a copy."""
+
+    # Families that take videos name their placeholder here and accept ``videos=`` in encode.
+    video_token: str | None = None
 
     def __init__(self, processor: Any, image_token: str, image_token_id: int, dtype: torch.dtype) -> None:
         self.processor = processor  # has apply_chat_template, tokenizer, image_processor
@@ -261,6 +270,11 @@ class ModelAdapter(ABC):
                             image_token_id: int) -> tuple[list[list[int]], int] | None:
         """transformers' own position rows and delta for ``prompt`` (M-RoPE families), or None."""
         return None
+
+    def reference_ids(self, prompt: EncodedPrompt, image_token_id: int) -> list[int]:
+        """transformers' own input_ids for ``prompt`` (the engine's, but for families that mark
+        videos with a token of their own)."""
+        return list(prompt.input_ids)
 
     def reference_inputs(self, prompt: EncodedPrompt, device: torch.device, image_token_id: int) -> dict[str, Any]:
         """transformers' own forward/generate inputs for ``prompt`` (the reference that tests,

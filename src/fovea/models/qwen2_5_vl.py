@@ -16,16 +16,27 @@
 The processor is assembled from the tokenizer and the image processor, not through
 ``AutoProcessor``: transformers' Qwen2.5-VL processor also builds a video processor, which
 needs torchvision.
+
+- **Videos** (``<|video_pad|>``): frames sampled at the video processor's ``fps`` (fovea.media.video)
+  are resized with Qwen's smart resize within the video processor's own min/max pixels, normalised
+  and cut into ``temporal_patch_size`` x 14 x 14 patches here, in torch (``VideoRecipe``), in
+  ``Qwen2VLVideoProcessor``'s patch order; the last frame is repeated to fill the last temporal
+  patch. The tower takes them as it takes an image, with grid (t, h, w); their temporal M-RoPE
+  positions step by ``tokens_per_second * seconds_per_grid``, as transformers' ``get_rope_index``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
@@ -67,21 +78,119 @@ def pixel_bounds(image_processor: Any) -> tuple[int, int]:
     return int(low), int(high)
 
 
+VIDEO_TOKEN = "<|video_pad|>"
+# Qwen2VLVideoProcessor's class defaults, for keys its config leaves out.
+VIDEO_DEFAULTS = {"min_pixels": 128 * 28 * 28, "max_pixels": 768 * 28 * 28, "fps": 2.0, "min_frames": 4,
+                  "max_frames": 768}
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' ``qwen2_vl`` smart_resize: both sides multiples of ``factor``, the area within
+    [min_pixels, max_pixels], the aspect ratio kept as closely as possible."""
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class VideoRecipe:
+    """What Qwen2VLVideoProcessor does to a video's frames, read from the model's files."""
+
+    min_pixels: int
+    max_pixels: int
+    fps: float
+    min_frames: int
+    max_frames: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    rescale_factor: float
+    token_id: int
+    tokens_per_second: float
+
+    @classmethod
+    def read(cls, path: Path, image_processor: Any, config: Any) -> VideoRecipe:
+        """As transformers' video processor loads: processor_config.json's ``video_processor``,
+        else video_preprocessor_config.json, else preprocessor_config.json (the image
+        processor's: Qwen2.5-VL checkpoints ship only that), then the class defaults."""
+        raw: dict = {}
+        nested = path / "processor_config.json"
+        if nested.is_file():
+            raw = json.loads(nested.read_text()).get("video_processor") or {}
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            if not raw and (path / name).is_file():
+                raw = json.loads((path / name).read_text())
+        size = raw.get("size") or {}
+
+        def get(key: str, size_key: str | None = None) -> Any:
+            value = raw.get(key)
+            if value is None and size_key:
+                value = size.get(size_key)
+            return VIDEO_DEFAULTS[key] if value is None else value
+
+        return cls(min_pixels=int(get("min_pixels", "shortest_edge")), max_pixels=int(get("max_pixels", "longest_edge")),
+                   fps=float(get("fps")), min_frames=int(get("min_frames")), max_frames=int(get("max_frames")),
+                   patch_size=int(raw.get("patch_size") or image_processor.patch_size),
+                   temporal_patch_size=int(raw.get("temporal_patch_size") or image_processor.temporal_patch_size),
+                   merge_size=int(raw.get("merge_size") or image_processor.merge_size),
+                   mean=tuple(float(v) for v in raw.get("image_mean") or image_processor.image_mean),
+                   std=tuple(float(v) for v in raw.get("image_std") or image_processor.image_std),
+                   rescale_factor=float(raw.get("rescale_factor") or image_processor.rescale_factor),
+                   token_id=int(config.video_token_id),
+                   tokens_per_second=float(config.vision_config.tokens_per_second))
+
+    def pixels(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """[t*h*w, C*T*P*P] float32 patches and the grid (t, h, w), in Qwen2VLVideoProcessor's layout."""
+        width, height = frames[0].size
+        if max(width, height) / max(1, min(width, height)) > MAX_ASPECT:
+            raise InvalidRequest(f"the video is {width}x{height} px: its aspect ratio is over {MAX_ASPECT}:1, which "
+                                 "this model's processor cannot tile; crop it.", code="invalid_video")
+        factor = self.patch_size * self.merge_size
+        rh, rw = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
+        stack = np.stack([np.asarray(f.convert("RGB").resize((rw, rh), Image.Resampling.BICUBIC)) for f in frames])
+        video = torch.from_numpy(stack).permute(0, 3, 1, 2).to(torch.float32) * self.rescale_factor
+        mean = torch.tensor(self.mean).view(1, -1, 1, 1)
+        std = torch.tensor(self.std).view(1, -1, 1, 1)
+        video = (video - mean) / std
+        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
+        if pad := -video.shape[0] % tp:  # the last frame repeated, as the processor pads
+            video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+        frames_n, channels = video.shape[:2]
+        gt, gh, gw = frames_n // tp, rh // p, rw // p
+        patches = video.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return patches.reshape(gt * gh * gw, channels * tp * p * p), (gt, gh, gw)
+
+
 @dataclass
 class QwenProcessor:
-    """The parts of Qwen2.5-VL's processor that images need (no video processor)."""
+    """The parts of Qwen2.5-VL's processor that fovea needs: tokenizer, image processor and,
+    torchvision-free, the video recipe."""
 
     tokenizer: Any
     image_processor: Any
+    video: VideoRecipe | None = None
 
     def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any:
         return self.tokenizer.apply_chat_template(messages, **kwargs)
 
 
 def mrope_positions(input_ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]],
-                    merge: int) -> tuple[list[list[int]], int]:
+                    merge: int, intervals: list[torch.Tensor | float | None] | None = None
+                    ) -> tuple[list[list[int]], int]:
     """The prompt's three position rows and the delta of every position past it (as
-    transformers' ``get_rope_index`` for images)."""
+    transformers' ``get_rope_index``). ``intervals[k]``: None for an image, else the video's
+    ``tokens_per_second * seconds_per_grid`` (its temporal positions are ``floor(ti * interval)``;
+    the text after it resumes at start + max(rows, columns), as transformers 5.x)."""
     rows: list[list[int]] = [[], [], []]
     current, i, image = 0, 0, 0
     while i < len(input_ids):
@@ -93,6 +202,19 @@ def mrope_positions(input_ids: list[int], image_token_id: int, grids: list[tuple
             continue
         t, h, w = grids[image]
         lh, lw = h // merge, w // merge
+        interval = intervals[image] if intervals else None
+        if interval is not None:
+            temporal = (torch.arange(t) * interval).long().tolist()  # get_vision_position_ids' arithmetic
+            for ti in range(t):
+                for hi in range(lh):
+                    for wi in range(lw):
+                        rows[0].append(current + temporal[ti])
+                        rows[1].append(current + hi)
+                        rows[2].append(current + wi)
+            i += t * lh * lw
+            current += max(lh, lw)
+            image += 1
+            continue
         for ti in range(t):
             for hi in range(lh):
                 for wi in range(lw):
@@ -110,6 +232,8 @@ class QwenCodec(PromptCodec):
     def __init__(self, processor: QwenProcessor, image_token: str, image_token_id: int, dtype: torch.dtype) -> None:
         super().__init__(processor, image_token, image_token_id, dtype)
         self.merge = int(getattr(processor.image_processor, "merge_size", 2))
+        self.video = getattr(processor, "video", None)
+        self.video_token = VIDEO_TOKEN if self.video is not None else None
 
     def target_short_side(self) -> int | None:
         # The processor keeps the aspect ratio within max_pixels: its short side is at most
@@ -158,8 +282,27 @@ class QwenCodec(PromptCodec):
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
         return out["pixel_values"].to(self.dtype), grids
 
-    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True) -> EncodedPrompt:
+    def _video_input(self, video: Any) -> ImageInput:
+        """One decoded video (fovea.media.video.DecodedVideo) as the tower takes it."""
+        assert self.video is not None
+        pixels, grid = self.video.pixels(video.frames)
+        pixels = pixels.to(self.dtype)
+        seconds = self.video.temporal_patch_size / video.sampled_fps  # the processor's second_per_grid_ts
+        # Its positions depend on seconds_per_grid as well as its pixels: both key the caches.
+        key = hashlib.sha256(f"{pixel_hash(pixels, grid)}|video|{seconds!r}".encode()).hexdigest()
+        return ImageInput(pixels, grid[0] * grid[1] * grid[2] // (self.merge * self.merge), key, grid, seconds,
+                          self.video.token_id)
+
+    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
+               videos: list[Any] | None = None) -> EncodedPrompt:
+        videos = list(videos or [])
         check_placeholders(text, self.image_token, len(images), template_rendered)
+        if videos and self.video is None:
+            raise InvalidRequest("this model's files describe no video processor", code="videos_not_supported")
+        if text.count(VIDEO_TOKEN) != len(videos):
+            raise PlaceholderMismatch(f"the prompt contains {text.count(VIDEO_TOKEN)} video placeholder(s) "
+                                      f"({VIDEO_TOKEN!r}) for {len(videos)} video(s)",
+                                      status=500 if template_rendered else 400)
         kwargs = tokenize_rendered(self.tokenizer, text) if template_rendered else {}
         ids = self.tokenizer(text, **kwargs)["input_ids"]
         placeholders = sum(1 for t in ids if t == self.image_token_id)
@@ -167,27 +310,41 @@ class QwenCodec(PromptCodec):
             raise PlaceholderMismatch(
                 f"the text tokenizes to {placeholders} {self.image_token!r} token(s) for {len(images)} image(s)"
                 + ("; the text must not contain the image token itself" if not template_rendered else ""))
-        if not images:
+        video_id = self.video.token_id if self.video is not None else None
+        if videos and sum(1 for t in ids if t == video_id) != len(videos):
+            raise PlaceholderMismatch(f"the text tokenizes to {sum(1 for t in ids if t == video_id)} video token(s) "
+                                      f"for {len(videos)} video(s)")
+        if not images and not videos:
             return EncodedPrompt(list(ids), [], text)
-        pixels, grids = self._preprocess(images)
-        inputs, expanded, offset = [], [], 0
-        for grid in grids:
-            patches = grid[0] * grid[1] * grid[2]
-            chunk = pixels[offset:offset + patches]
-            offset += patches
-            tokens = patches // (self.merge * self.merge)
-            inputs.append(ImageInput(chunk, tokens, pixel_hash(chunk, grid), grid))
-        if offset != pixels.shape[0]:
-            raise PlaceholderMismatch(f"the processor returned {pixels.shape[0]} patches for grids summing to "
-                                      f"{offset}", status=500)
-        image = 0
+        image_inputs: list[ImageInput] = []
+        if images:
+            pixels, grids = self._preprocess(images)
+            offset = 0
+            for grid in grids:
+                patches = grid[0] * grid[1] * grid[2]
+                chunk = pixels[offset:offset + patches]
+                offset += patches
+                tokens = patches // (self.merge * self.merge)
+                image_inputs.append(ImageInput(chunk, tokens, pixel_hash(chunk, grid), grid))
+            if offset != pixels.shape[0]:
+                raise PlaceholderMismatch(f"the processor returned {pixels.shape[0]} patches for grids summing to "
+                                          f"{offset}", status=500)
+        video_inputs = [self._video_input(video) for video in videos]
+        # In prompt order; every vision slot carries the image token in the engine's ids.
+        inputs, expanded = [], []
+        pending_images, pending_videos = iter(image_inputs), iter(video_inputs)
         for token in ids:
-            if token == self.image_token_id:
-                expanded.extend([token] * inputs[image].num_tokens)
-                image += 1
+            if token == self.image_token_id or (videos and token == video_id):
+                item = next(pending_images if token == self.image_token_id else pending_videos)
+                inputs.append(item)
+                expanded.extend([self.image_token_id] * item.num_tokens)
             else:
                 expanded.append(token)
-        rows, delta = mrope_positions(expanded, self.image_token_id, grids, self.merge)
+        intervals = [None if item.seconds_per_grid is None else
+                     self.video.tokens_per_second * torch.tensor(item.seconds_per_grid)  # float32, as transformers
+                     for item in inputs] if videos else None
+        rows, delta = mrope_positions(expanded, self.image_token_id, [item.grid for item in inputs], self.merge,
+                                      intervals)
         return EncodedPrompt(expanded, inputs, text, rows, delta)
 
 
@@ -206,7 +363,11 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         template = path / "chat_template.jinja"
         if not getattr(tokenizer, "chat_template", None) and template.is_file():
             tokenizer.chat_template = template.read_text()
-        return QwenProcessor(tokenizer, image_processor)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        video = VideoRecipe.read(path, image_processor, config) if getattr(config, "video_token_id", None) else None
+        return QwenProcessor(tokenizer, image_processor, video)
 
     def codec(self, processor: QwenProcessor, image_token_id: int, dtype: torch.dtype) -> QwenCodec:
         return QwenCodec(processor, "<|image_pad|>", image_token_id, dtype)
@@ -275,26 +436,58 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         tied = getattr(text, "tie_word_embeddings", False) or getattr(model.config, "tie_word_embeddings", False)
         return LanguageModelSpec(model.model.language_model, None if tied else model.lm_head, text, section)
 
+    def reference_ids(self, prompt: EncodedPrompt, image_token_id: int) -> list[int]:
+        out, slots = [], iter(item for item in prompt.images for _ in range(item.num_tokens))
+        for token in prompt.input_ids:
+            if token == image_token_id:
+                item = next(slots)
+                out.append(item.token_id if item.token_id is not None else token)
+            else:
+                out.append(token)
+        return out
+
+    @staticmethod
+    def _split(prompt: EncodedPrompt) -> tuple[list[ImageInput], list[ImageInput]]:
+        return ([i for i in prompt.images if i.seconds_per_grid is None],
+                [i for i in prompt.images if i.seconds_per_grid is not None])
+
+    def _token_types(self, ids: torch.Tensor, prompt: EncodedPrompt, image_token_id: int) -> torch.Tensor:
+        types = (ids == image_token_id).int()
+        videos = {i.token_id for i in prompt.images if i.token_id is not None}
+        for token in videos:
+            types[ids == token] = 2
+        return types
+
     def reference_positions(self, model: torch.nn.Module, prompt: EncodedPrompt,
                             image_token_id: int) -> tuple[list[list[int]], int] | None:
-        ids = torch.tensor([prompt.input_ids])
-        grid = torch.tensor([image.grid for image in prompt.images]) if prompt.images else None
+        ids = torch.tensor([self.reference_ids(prompt, image_token_id)])
+        images, videos = self._split(prompt)
+        grid = torch.tensor([image.grid for image in images]) if images else None
+        video_grid = torch.tensor([video.grid for video in videos]) if videos else None
+        seconds = torch.tensor([video.seconds_per_grid for video in videos]) if videos else None
         try:
-            rows, delta = model.model.get_rope_index(ids, mm_token_type_ids=(ids == image_token_id).int(),
-                                                     image_grid_thw=grid)
+            rows, delta = model.model.get_rope_index(ids, mm_token_type_ids=self._token_types(ids, prompt, image_token_id),
+                                                     image_grid_thw=grid, video_grid_thw=video_grid,
+                                                     second_per_grid_ts=seconds)
         except TypeError:  # transformers before the mm_token_type_ids argument
-            rows, delta = model.model.get_rope_index(ids, image_grid_thw=grid)
+            rows, delta = model.model.get_rope_index(ids, image_grid_thw=grid, video_grid_thw=video_grid,
+                                                     second_per_grid_ts=seconds)
         return rows[:, 0].tolist(), int(delta)
 
     def reference_inputs(self, prompt: EncodedPrompt, device: torch.device, image_token_id: int) -> dict[str, Any]:
         if not prompt.images:
             return {}
-        inputs: dict[str, Any] = {
-            "pixel_values": torch.cat([image.pixels for image in prompt.images]).to(device),
-            "image_grid_thw": torch.tensor([image.grid for image in prompt.images], device=device)}
+        images, videos = self._split(prompt)
+        inputs: dict[str, Any] = {}
+        if images:
+            inputs["pixel_values"] = torch.cat([image.pixels for image in images]).to(device)
+            inputs["image_grid_thw"] = torch.tensor([image.grid for image in images], device=device)
+        if videos:
+            inputs["pixel_values_videos"] = torch.cat([video.pixels for video in videos]).to(device)
+            inputs["video_grid_thw"] = torch.tensor([video.grid for video in videos], device=device)
+            inputs["second_per_grid_ts"] = torch.tensor([video.seconds_per_grid for video in videos], device=device)
         forward = inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters
         if "mm_token_type_ids" in forward:  # transformers >= 5.2x computes M-RoPE from it
-            ids = torch.tensor(prompt.input_ids, device=device)
-            inputs["mm_token_type_ids"] = (ids == image_token_id).int().unsqueeze(0)
+            ids = torch.tensor(self.reference_ids(prompt, image_token_id), device=device)
+            inputs["mm_token_type_ids"] = self._token_types(ids, prompt, image_token_id).unsqueeze(0)
         return inputs
-

@@ -8,14 +8,19 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from fovea.errors import FoveaError, InvalidRequest
+from fovea.media.video import load_video_bytes
 from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch, render_chat
 from fovea.serve.generation import respond
-from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart
+from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, VideoURLPart
 from fovea.serve.state import ServerState
 
 
 class TooManyImages(FoveaError):
     status, code = 400, "too_many_images"
+
+
+class VideosNotSupported(FoveaError):
+    status, code = 400, "videos_not_supported"
 
 
 class ModelNotFound(FoveaError):
@@ -37,9 +42,19 @@ def refuse_typed_placeholder(text: str, image_token: str, where: str) -> None:
             param=where)
 
 
-def to_template_messages(messages: list[ChatMessage], image_token: str = "<image>"
+def refuse_typed_video_token(state: ServerState, text: str, where: str) -> None:
+    """The video token typed as text would be read as a video slot with no video behind it."""
+    token = getattr(state.loaded.codec, "video_token", None)
+    if token and token in text:
+        raise PlaceholderMismatch(f"{where} contains the text {token!r}, which this model reserves for videos; "
+                                  "remove it and send videos as video_url parts.", param=where)
+
+
+def to_template_messages(messages: list[ChatMessage], image_token: str = "<image>",
+                         videos: list[tuple[str, str]] | None = None
                          ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
-    """transformers-style messages plus the (image reference, request path) of each image."""
+    """transformers-style messages plus the (image reference, request path) of each image; the
+    videos' go into ``videos`` (None: the model takes none, and a video part is refused)."""
     out: list[dict[str, Any]] = []
     images: list[tuple[str, str]] = []
     for i, message in enumerate(messages):
@@ -60,6 +75,17 @@ def to_template_messages(messages: list[ChatMessage], image_token: str = "<image
                                          "sent in user messages.", param=f"messages[{i}].content[{j}]")
                 images.append((part.image_url.url, f"messages[{i}].content[{j}]"))
                 parts.append({"type": "image"})
+            elif isinstance(part, VideoURLPart):
+                where = f"messages[{i}].content[{j}]"
+                if videos is None:
+                    raise VideosNotSupported("this server's model takes no video input (video_url parts are for "
+                                             "video models such as Qwen2.5-VL); send frames as image_url parts.",
+                                             param=where)
+                if message.role != "user":
+                    raise InvalidRequest(f"messages[{i}] is a {message.role} message; videos may only be "
+                                         "sent in user messages.", param=where)
+                videos.append((part.video_url.url, where))
+                parts.append({"type": "video"})
             else:
                 refuse_typed_placeholder(part.text, image_token, f"messages[{i}].content[{j}].text")
                 parts.append({"type": "text", "text": part.text})
@@ -85,13 +111,41 @@ async def load_image_bytes(state: ServerState, refs: list[tuple[str, str]]) -> l
     return list(await asyncio.gather(*(one(ref, where) for ref, where in refs)))
 
 
+async def load_videos(state: ServerState, refs: list[tuple[str, str]]) -> list[tuple[bytes, str]]:
+    """The bytes of each referenced video with its request path (decoded in the preprocessor)."""
+
+    async def one(ref: str, where: str) -> tuple[bytes, str]:
+        try:
+            return await asyncio.to_thread(load_video_bytes, ref, state.resolver.config), where
+        except FoveaError as exc:
+            exc.param = where
+            raise
+
+    return list(await asyncio.gather(*(one(ref, where) for ref, where in refs)))
+
+
 async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest
                             ) -> tuple[EncodedPrompt, EncodedPrompt | None]:
     """The prompt, and for a grounding score its twin with every image blanked."""
-    messages, refs = to_template_messages(req.messages, state.loaded.image_token)
+    video_token = getattr(state.loaded.codec, "video_token", None)
+    video_refs: list[tuple[str, str]] | None = [] if video_token else None
+    messages, refs = to_template_messages(req.messages, state.loaded.image_token, video_refs)
+    if video_token:
+        for i, message in enumerate(req.messages):
+            texts = [message.content] if isinstance(message.content, str) else \
+                [p.text for p in message.content or [] if not isinstance(p, (ImageURLPart, VideoURLPart))]
+            for text in texts:
+                refuse_typed_video_token(state, text, f"messages[{i}].content")
+    if video_refs and len(refs) + len(video_refs) > state.settings.limit_images_per_prompt:
+        raise TooManyImages(f"the request carries {len(refs)} images and {len(video_refs)} videos; this server "
+                            f"accepts at most {state.settings.limit_images_per_prompt} of them together per prompt "
+                            "(--limit-images-per-prompt).", param=video_refs[-1][1])
     images = await load_image_bytes(state, refs)
+    videos = await load_videos(state, video_refs) if video_refs else []
     text = render_chat(state.loaded, messages)  # a jinja render: well under a millisecond
     grounding = bool(req.fovea and req.fovea.grounding)
+    if videos:
+        return await state.preprocessor.prompts(text, images, blank_twin=grounding, videos=videos)
     return await state.preprocessor.prompts(text, images, blank_twin=grounding)
 
 

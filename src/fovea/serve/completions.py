@@ -6,7 +6,12 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from fovea.model.prompt import render_chat
-from fovea.serve.chat import check_model_name, load_image_bytes, refuse_typed_placeholder
+from fovea.serve.chat import (
+    check_model_name,
+    load_image_bytes,
+    refuse_typed_placeholder,
+    refuse_typed_video_token,
+)
 from fovea.serve.generation import TEXT, respond, run_to_finish, sampling_params
 from fovea.serve.protocol import CompletionRequest, GenerateRequest, usage
 from fovea.serve.state import ServerState
@@ -29,6 +34,7 @@ def make_completions_router(state: ServerState) -> APIRouter:
     async def generate(req: GenerateRequest):
         check_model_name(state, req.model)
         refuse_typed_placeholder(req.prompt, loaded.image_token, "prompt")
+        refuse_typed_video_token(state, req.prompt, "prompt")
         images = await load_image_bytes(state, [(req.image, "image")] if req.image else [])
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": req.prompt}]
         text = render_chat(loaded, [{"role": "user", "content": content}])

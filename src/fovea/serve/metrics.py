@@ -12,6 +12,7 @@ MODALITY_CODES = frozenset({
     "invalid_image", "unsupported_image_format", "image_too_large", "image_placeholder_mismatch",
     "too_many_images", "media_fetch_failed", "media_source_forbidden", "image_not_found",
     "images_not_supported", "image_embedding_mismatch", "encoder_unavailable", "encoder_failed",
+    "invalid_video", "video_too_large", "videos_not_supported",
 })
 _MS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 _S_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

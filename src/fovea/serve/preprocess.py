@@ -34,6 +34,7 @@ from PIL import Image
 
 from fovea.errors import FoveaError
 from fovea.media import MediaConfig, decode_image_bytes
+from fovea.media.video import DecodedVideo, decode_video_bytes
 from fovea.model.contract import fingerprint, recipe_of
 from fovea.models.base import EncodedPrompt, PromptCodec
 
@@ -53,11 +54,28 @@ def codec_fingerprint(codec: PromptCodec, fields: tuple[str, ...]) -> str:
     return fingerprint(recipe_of(codec.image_processor, fields))
 
 
+def decode_videos(model: PromptCodec, media: MediaConfig, videos: list[tuple[bytes, str]]) -> list[DecodedVideo]:
+    """Each video's frames, sampled at the model's fps under the frame cap (refusals name ``where``)."""
+    recipe = getattr(model, "video", None)
+    if recipe is None:
+        raise FoveaError("this model takes no video input; send frames as image_url parts.",
+                         code="videos_not_supported")
+    out = []
+    for data, where in videos:
+        try:
+            out.append(decode_video_bytes(data, media, recipe.fps, recipe.min_frames, recipe.temporal_patch_size,
+                                          max_frames=min(media.max_video_frames, recipe.max_frames)))
+        except FoveaError as exc:
+            exc.param = where
+            raise
+    return out
+
+
 def build_prompts(model: PromptCodec, media: MediaConfig, reduce_to: int | None, text: str,
                   images: list[tuple[bytes, str]], template_rendered: bool,
-                  blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None]:
-    """Decode each image (its refusal names ``where``, its request path) and encode the prompt,
-    and with ``blank_twin`` the same prompt with blank images."""
+                  blank_twin: bool, videos: list[tuple[bytes, str]] = ()) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+    """Decode each image and video (a refusal names ``where``, its request path) and encode the
+    prompt, and with ``blank_twin`` the same prompt with blank images and videos."""
     decoded = []
     for data, where in images:
         try:
@@ -65,11 +83,16 @@ def build_prompts(model: PromptCodec, media: MediaConfig, reduce_to: int | None,
         except FoveaError as exc:
             exc.param = where
             raise
-    prompt = model.encode(text, decoded, template_rendered=template_rendered)
+    clips = decode_videos(model, media, list(videos)) if videos else []
+    extra = {"videos": clips} if clips else {}
+    prompt = model.encode(text, decoded, template_rendered=template_rendered, **extra)
     twin = None
-    if blank_twin and decoded:
+    if blank_twin and (decoded or clips):
         blanks = [Image.new("RGB", im.size, (255, 255, 255)) for im in decoded]
-        twin = model.encode(text, blanks, template_rendered=template_rendered)
+        if clips:
+            extra = {"videos": [DecodedVideo([Image.new("RGB", f.size, (255, 255, 255)) for f in c.frames],
+                                             c.indices, c.total_frames, c.source_fps) for c in clips]}
+        twin = model.encode(text, blanks, template_rendered=template_rendered, **extra)
     return prompt, twin
 
 
@@ -86,10 +109,11 @@ def _init_worker(codec: bytes, recipe_fields: tuple[str, ...], media: MediaConfi
     _WORKER = (model, media, reduce_to, codec_fingerprint(model, recipe_fields))
 
 
-def _work(text: str, images: list[tuple[bytes, str]], template_rendered: bool, blank_twin: bool):
+def _work(text: str, images: list[tuple[bytes, str]], template_rendered: bool, blank_twin: bool,
+          videos: list[tuple[bytes, str]] = ()):
     assert _WORKER is not None, "worker not initialised"
     model, media, reduce_to, recipe = _WORKER
-    return (*build_prompts(model, media, reduce_to, text, images, template_rendered, blank_twin), recipe)
+    return (*build_prompts(model, media, reduce_to, text, images, template_rendered, blank_twin, videos), recipe)
 
 
 def _ping() -> str:
@@ -170,32 +194,37 @@ class Preprocessor:
                                       f"model contract's {self.fingerprint}; refusing to start")
 
     async def prompts(self, text: str, images: list[tuple[bytes, str]], *, template_rendered: bool = True,
-                      blank_twin: bool = False) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+                      blank_twin: bool = False, videos: list[tuple[bytes, str]] = ()
+                      ) -> tuple[EncodedPrompt, EncodedPrompt | None]:
         large = sum(p for p in (header_pixels(data) for data, _ in images) if p > self.media.large_image_pixels)
+        # A video's decoded frames: at most max_video_frames of max_video_frame_pixels each, RGB.
+        large += len(videos) * self.media.max_video_frames * self.media.max_video_frame_pixels * 3 \
+            // DECODE_BYTES_PER_PIXEL
         if large:
             async with self.large.hold(large * DECODE_BYTES_PER_PIXEL):
-                return await self._run(text, images, template_rendered, blank_twin)
-        return await self._run(text, images, template_rendered, blank_twin)
+                return await self._run(text, images, template_rendered, blank_twin, videos)
+        return await self._run(text, images, template_rendered, blank_twin, videos)
 
     async def _run(self, text: str, images: list[tuple[bytes, str]], template_rendered: bool,
-                   blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+                   blank_twin: bool, videos: list[tuple[bytes, str]] = ()) -> tuple[EncodedPrompt, EncodedPrompt | None]:
         started = time.perf_counter()
         try:
-            return await self._build(text, images, template_rendered, blank_twin)
+            return await self._build(text, images, template_rendered, blank_twin, videos)
         finally:
             seconds = time.perf_counter() - started
             if seconds > SLOW_S:
                 log.warning("preparing a request's prompt (%d image(s)) took %.2f s", len(images), seconds)
 
     async def _build(self, text: str, images: list[tuple[bytes, str]], template_rendered: bool,
-                     blank_twin: bool) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+                     blank_twin: bool, videos: list[tuple[bytes, str]] = ()
+                     ) -> tuple[EncodedPrompt, EncodedPrompt | None]:
         if self.pool is None:  # this process's own processor: the contract checked it at start-up
             return await asyncio.to_thread(build_prompts, self.model, self.media, self.reduce_to, text, images,
-                                           template_rendered, blank_twin)
+                                           template_rendered, blank_twin, videos)
         loop = asyncio.get_running_loop()
         try:
             prompt, twin, recipe = await loop.run_in_executor(self.pool, _work, text, images, template_rendered,
-                                                              blank_twin)
+                                                              blank_twin, videos)
         except BrokenProcessPool:
             # A worker died (killed for memory, say): this request fails loudly, the next gets new workers.
             log.exception("a preprocessing worker died; starting new ones")

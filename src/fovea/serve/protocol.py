@@ -29,7 +29,19 @@ class ImageURLPart(_Lenient):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+class VideoURL(_Lenient):
+    url: str = Field(min_length=1)
+
+
+class VideoURLPart(_Lenient):
+    """A video (models that take them: Qwen2.5-VL): a data:video/...;base64 URL or an allowed
+    file:// / http(s):// URL, by the image sources' rules."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Lenient):
