@@ -318,17 +318,22 @@ for fname, values in {
     "top_p": [0, -0.5, 1.01, "all"],
     "max_tokens": [0, -1, 1.5, "ten"],
     "max_completion_tokens": [0, -3],
-    "n": [0, 2, 16],
+    "n": [0],
     "seed": ["abc", 1.5],
     "stop": [["a", "b", "c", "d", "e"], [""], "", 5, [1]],
     "stream": [[1], {"on": True}],
     "stream_options": ["yes"],
-    "fovea": [{"unknown": 1}, "on"],
+    "fovea": ["on"],
     "model": [5],
 }.items():
     for value in values:
         param = {"fovea": ANY, "stop": "stop[0]" if value == [1] else "stop"}.get(fname, fname)
         add(f"chat-{fname}-{value!r}", "POST", CHAT, 400, "invalid_request", param, json=hi(**{fname: value}))
+for fname, value, param in [("n", 2, "n"), ("n", 16, "n"), ("fovea", {"unknown": 1}, "fovea.unknown"),
+                            ("stream_options", {"continuous_usage_stats": True}, "stream_options.continuous_usage_stats"),
+                            ("top_k", 5, "top_k"), ("logprobs", True, "logprobs"), ("not_a_field", 1, "not_a_field")]:
+    body = hi(**{fname: value}, **({"stream": True} if fname == "stream_options" else {}))
+    add(f"chat-{fname}-{value!r}", "POST", CHAT, 400, "unsupported_parameter", param, json=body)
 add("chat-fovea-grounding-not-bool", "POST", CHAT, 400, "invalid_request", "fovea.grounding",
     json=hi(fovea={"grounding": [1]}))
 add("chat-max-tokens-past-context", "POST", CHAT, 400, "context_length_exceeded", "max_tokens",
@@ -371,7 +376,8 @@ for name, body, status, code, param in [
     ("unknown-model", {"prompt": "hello", "model": "gpt-3.5-turbo-instruct"}, 404, "model_not_found", "model"),
     ("temperature-high", {"prompt": "hello", "temperature": 3}, 400, "invalid_request", "temperature"),
     ("top-p-zero", {"prompt": "hello", "top_p": 0}, 400, "invalid_request", "top_p"),
-    ("n-two", {"prompt": "hello", "n": 2}, 400, "invalid_request", "n"),
+    ("n-two", {"prompt": "hello", "n": 2}, 400, "unsupported_parameter", "n"),
+    ("messages-field", {"prompt": "hello", "messages": []}, 400, "unsupported_parameter", "messages"),
     ("stop-five", {"prompt": "hello", "stop": list("abcde")}, 400, "invalid_request", "stop"),
     ("max-tokens-past-context", {"prompt": "hello", "max_tokens": 100_000}, 400, "context_length_exceeded",
      "max_tokens"),

@@ -59,7 +59,13 @@ def install_error_handlers(app: FastAPI, on_error_code: Callable[[str], None] | 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
-        return JSONResponse(error_body(message, "invalid_request", param), status_code=400)
+        # A key the schema forbids (stream_options.continuous_usage_stats, fovea.unknown) is a
+        # parameter fovea does not support, never one it ignores.
+        forbidden = any(e.get("type") == "extra_forbidden" for e in exc.errors())
+        if forbidden:
+            message = f"{message}: fovea does not support this field; remove it (docs/api.md lists every field)"
+        code = "unsupported_parameter" if forbidden else "invalid_request"
+        return JSONResponse(error_body(message, code, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -6,7 +6,9 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from fovea.serve import fields
 
 
 class _Lenient(BaseModel):
@@ -50,7 +52,8 @@ class ChatMessage(_Lenient):
     name: str | None = None
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # continuous_usage_stats and the like are refused
     include_usage: bool = False
 
 
@@ -71,6 +74,7 @@ class SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Only n=1 (chat and completions refuse more as unsupported_parameter before this check).
     n: int = Field(default=1, ge=1, le=1, description="only n=1 is supported")
     # vLLM's extensions, for fixed output lengths (benchmarks) and answers that must not end early.
     ignore_eos: bool = False
@@ -93,12 +97,24 @@ class SamplingFields(_Lenient):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_silent_ignore(cls, data):
+        fields.check_body(data, fields.CHAT)  # raises UnsupportedParameter (400), which pydantic passes on
+        return data
+
 
 class CompletionRequest(SamplingFields):
     """A raw prompt, used verbatim: one ``<image>`` placeholder per entry of ``images``."""
 
     prompt: str | list[str]
     images: list[str] = Field(default_factory=list, description="fovea extension: image references")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_silent_ignore(cls, data):
+        fields.check_body(data, fields.COMPLETIONS)
+        return data
 
     @field_validator("prompt")
     @classmethod
