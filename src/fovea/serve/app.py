@@ -7,7 +7,7 @@ import contextlib
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -28,6 +28,7 @@ from fovea.serve.images_api import make_images_router
 from fovea.serve.metrics import Metrics
 from fovea.serve.request_gate import RequestGate
 from fovea.serve.state import ServerState
+from fovea.serve.tokenize import make_tokenize_router
 from fovea.serve.trailing_slash import StripTrailingSlash
 
 log = logging.getLogger("fovea.serve")
@@ -184,9 +185,17 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
         await run_canary()
         return state.canary.last.to_dict()
 
-    @app.get("/metrics")
-    async def metrics_route():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics_route(request: Request):
+        # HEAD (load generators such as aiperf probe with it): GET's status and headers, no body.
+        body = metrics.render()
+        if request.method == "HEAD":
+            return Response(headers={"content-length": str(len(body))}, media_type=CONTENT_TYPE_LATEST)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models():
@@ -203,5 +212,6 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     app.add_middleware(StripTrailingSlash)
     app.include_router(make_chat_router(state))
     app.include_router(make_completions_router(state))
+    app.include_router(make_tokenize_router(state))
     app.include_router(make_images_router(state.store, settings.media))
     return app
