@@ -1,0 +1,198 @@
+"""Every field of the chat and completions schemas (serve/fields.py), sent with a value that is not
+its default: honoured fields are shown to take effect, the others are refused with 400
+``unsupported_parameter`` naming the field (or, for no-op fields, accepted at their no-op value)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from scene_helpers import data_url, fresh_scene
+
+from fovea.demo import scenes
+from fovea.serve import fields
+
+SCENE = fresh_scene(5000, min_shapes=2)
+URL = data_url(scenes.render(SCENE))
+ANSWER = scenes.describe_answer(SCENE)
+PATHS = {fields.CHAT: "/v1/chat/completions", fields.COMPLETIONS: "/v1/completions"}
+ENDPOINTS = [fields.CHAT, fields.COMPLETIONS]
+
+# Values that change nothing, which no-op fields must accept (the table says which values pass).
+NOOP_VALUES = {
+    "user": "alice", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": False,
+    "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0, "top_k": -1, "min_p": 0, "logit_bias": {}, "stop_token_ids": [],
+    "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": [],
+    "function_call": "none", "modalities": ["text"], "echo": False, "best_of": 1, "suffix": "",
+}
+
+
+def base(endpoint: str, **extra) -> dict:
+    if endpoint == fields.CHAT:
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": URL}},
+                                                          {"type": "text", "text": "Describe the image."}]}]}
+    else:
+        body = {"prompt": "user: <image> Describe the image. assistant:", "images": [URL]}
+    return {**body, **extra}
+
+
+def text_of(body: dict) -> str:
+    choice = body["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+@pytest.fixture(scope="module")
+def post(live_server):
+    with httpx.Client(base_url=live_server.base_url, timeout=120) as http:
+        def send(endpoint: str, **extra) -> httpx.Response:
+            return http.post(PATHS[endpoint], json=base(endpoint, **extra))
+        yield send
+
+
+def ok(response: httpx.Response) -> dict:
+    assert response.status_code == 200, response.text[:500]
+    return response.json()
+
+
+def refused(response: httpx.Response, param: str, code: str = "unsupported_parameter") -> None:
+    assert response.status_code == 400, response.text[:500]
+    error = response.json()["error"]
+    assert error["code"] == code and error["param"] == param, error
+    assert param in error["message"] and len(error["message"]) > 20, error
+
+
+def greedy_tokens(post, ep) -> int:
+    return ok(post(ep, temperature=0))["usage"]["completion_tokens"]
+
+
+def _model(post, ep):
+    assert text_of(ok(post(ep, model="fovea-shapes"))) == ANSWER
+    response = post(ep, model="gpt-4o")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def _content(post, ep):  # messages / prompt / images: the answer describes the image sent
+    assert text_of(ok(post(ep, temperature=0))) == ANSWER
+
+
+def _max_tokens(name):
+    def check(post, ep):
+        body = ok(post(ep, **{name: 2}))
+        assert body["usage"]["completion_tokens"] == 2 and body["choices"][0]["finish_reason"] == "length"
+    return check
+
+
+def _temperature(post, ep):
+    answers = {text_of(ok(post(ep, temperature=2.0, seed=s, max_tokens=8))) for s in range(6)}
+    assert len(answers) > 1  # sampling at 2.0 is not the greedy answer every time
+
+
+def _top_p(post, ep):
+    greedy = text_of(ok(post(ep, temperature=0, max_tokens=8)))
+    for s in range(4):  # a tiny nucleus keeps only the top token: greedy even at temperature 2
+        assert text_of(ok(post(ep, temperature=2.0, top_p=1e-6, seed=s, max_tokens=8))) == greedy
+
+
+def _seed(post, ep):
+    a, b = (text_of(ok(post(ep, temperature=2.0, seed=11, max_tokens=10))) for _ in range(2))
+    assert a == b
+
+
+def _stop(post, ep):
+    body = ok(post(ep, temperature=0, stop=[" and"]))
+    assert text_of(body) == ANSWER.split(" and")[0] and body["choices"][0]["finish_reason"] == "stop"
+
+
+def _events(response: httpx.Response) -> list:
+    assert response.status_code == 200, response.text[:500]
+    lines = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def _stream(post, ep):
+    chunks = _events(post(ep, temperature=0, stream=True))
+    pieces = [c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text") or "" for c in chunks]
+    assert "".join(pieces) == ANSWER and len(chunks) > 3
+
+
+def _stream_options(post, ep):
+    chunks = _events(post(ep, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    refused(post(ep, stream_options={"include_usage": True}), "stream_options", code="invalid_request")
+
+
+def _n(post, ep):
+    ok(post(ep, n=1))
+    refused(post(ep, n=2), "n")
+
+
+def _ignore_eos(post, ep):
+    want = greedy_tokens(post, ep) + 5
+    body = ok(post(ep, temperature=0, ignore_eos=True, max_tokens=want))
+    assert body["usage"]["completion_tokens"] == want
+
+
+def _min_tokens(post, ep):
+    least = greedy_tokens(post, ep) + 3
+    body = ok(post(ep, temperature=0, min_tokens=least, max_tokens=least + 20))
+    assert body["usage"]["completion_tokens"] >= least
+
+
+def _fovea(post, ep):
+    body = ok(post(ep, fovea={"grounding": True}, max_tokens=4))
+    assert "image_dependent" in body["fovea"]["grounding"]
+
+
+HONOURED_CHECKS = {
+    "model": _model, "messages": _content, "prompt": _content, "images": _content,
+    "max_tokens": _max_tokens("max_tokens"), "max_completion_tokens": _max_tokens("max_completion_tokens"),
+    "temperature": _temperature, "top_p": _top_p, "seed": _seed, "stop": _stop, "stream": _stream,
+    "stream_options": _stream_options, "n": _n, "ignore_eos": _ignore_eos, "min_tokens": _min_tokens,
+    "fovea": _fovea,
+}
+
+
+def test_every_field_has_a_check():
+    honoured = {f.name for f in fields.FIELDS if f.status == fields.HONOURED}
+    assert set(HONOURED_CHECKS) == honoured
+    noop = {f.name for f in fields.FIELDS if f.status == fields.NOOP}
+    assert set(NOOP_VALUES) == noop
+    for f in fields.FIELDS:
+        assert f.example is not None or f.status == fields.HONOURED, f.name
+
+
+CASES = [(ep, f) for ep in ENDPOINTS for f in fields.fields_for(ep)]
+
+
+@pytest.mark.parametrize(("endpoint", "field"), CASES, ids=[f"{ep}-{f.name}" for ep, f in CASES])
+def test_field(post, endpoint, field):
+    if field.status == fields.HONOURED:
+        HONOURED_CHECKS[field.name](post, endpoint)
+        return
+    if field.status == fields.NOOP:
+        body = ok(post(endpoint, temperature=0, **{field.name: NOOP_VALUES[field.name]}))
+        assert text_of(body) == ANSWER  # accepted, and it changed nothing
+    if field.refuses(field.example):
+        refused(post(endpoint, **{field.name: field.example}), field.name)
+    else:  # user and metadata: any value is a no-op
+        assert text_of(ok(post(endpoint, temperature=0, **{field.name: field.example}))) == ANSWER
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_unknown_and_other_endpoint_fields_are_refused(post, endpoint):
+    refused(post(endpoint, frobnicate=1), "frobnicate")
+    other = "suffix" if endpoint == fields.CHAT else "tools"
+    refused(post(endpoint, **{other: NOOP_VALUES[other]}), other)
+    refused(post(endpoint, stream=True, stream_options={"continuous_usage_stats": True}),
+            "stream_options.continuous_usage_stats")
+
+
+def test_docs_list_every_field():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    for ep in ENDPOINTS:
+        block = f"<!-- fields:{ep} -->\n{fields.markdown_table(ep)}\n<!-- /fields:{ep} -->"
+        assert block in doc, f"docs/api.md is out of date: python -m fovea.serve.fields prints the {ep} table"
