@@ -189,6 +189,8 @@ def test_unknown_and_other_endpoint_fields_are_refused(post, endpoint):
     refused(post(endpoint, **{other: NOOP_VALUES[other]}), other)
     refused(post(endpoint, stream=True, stream_options={"continuous_usage_stats": True}),
             "stream_options.continuous_usage_stats")
+    for name, value in (("user", 5), ("metadata", ["x"])):  # no-op at any value of the right type only
+        refused(post(endpoint, **{name: value}), name, code="invalid_request")
 
 
 def test_docs_list_every_field():

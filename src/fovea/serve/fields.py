@@ -97,7 +97,7 @@ FIELDS: tuple[Field, ...] = (
     # Accepted where they change nothing.
     Field("user", NOOP, "any string: an end-user id for the caller's records, which by definition does not "
           "change the answer; fovea does not store it", example="alice"),
-    Field("metadata", NOOP, "any object: tags for stored completions, which do not change the answer; fovea "
+    Field("metadata", NOOP, "any object of strings: tags for stored completions, which do not change the answer; fovea "
           "stores nothing", example={"k": "v"}),
     Field("store", NOOP, "only `false`: fovea stores no completions", values=_false, example=True),
     Field("service_tier", NOOP, "only `\"auto\"` or `\"default\"`: fovea has one tier",

@@ -80,6 +80,9 @@ class SamplingFields(_Lenient):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     fovea: FoveaOptions | None = None
+    # Accepted and unused: they describe the caller and cannot change the answer (docs/api.md).
+    user: str | None = None
+    metadata: dict[str, str] | None = None
 
     @field_validator("stop")
     @classmethod
