@@ -99,3 +99,15 @@ def test_unsupported_parameter_through_the_client(client):
     ok = client.chat.completions.create(model="fovea-shapes", messages=MESSAGES, max_tokens=2, user="alice",
                                         n=1, logprobs=False, presence_penalty=0)
     assert ok.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(("extra", "param"), [({"stream": True}, "stream"), ({"fovea": {"grounding": True}}, "fovea"),
+                                              ({"user": "alice"}, "user"), ({"n": 2}, "n"), ({"frobnicate": 1}, "frobnicate")])
+def test_generate_refuses_what_it_does_not_do(http, assert_error, extra, param):
+    assert_error(http.post("/generate", json={"prompt": "hello", **extra}), 400, "unsupported_parameter", param)
+
+
+def test_generate_honours_its_fields(http):
+    body = http.post("/generate", json={"prompt": "Describe the image.", "image": URL, "max_tokens": 2,
+                                        "temperature": 0, "n": 1}).json()
+    assert body["usage"]["completion_tokens"] == 2 and body["finish_reason"] == "length"

@@ -401,7 +401,7 @@ for name, body, status, code, param in [
     ("temperature-negative", {"prompt": "hello", "temperature": -1}, 400, "invalid_request", "temperature"),
     ("top-p-over", {"prompt": "hello", "top_p": 2}, 400, "invalid_request", "top_p"),
     ("max-tokens-zero", {"prompt": "hello", "max_tokens": 0}, 400, "invalid_request", "max_tokens"),
-    ("n-three", {"prompt": "hello", "n": 3}, 400, "invalid_request", "n"),
+    ("n-three", {"prompt": "hello", "n": 3}, 400, "unsupported_parameter", "n"),
     ("max-tokens-past-context", {"prompt": "hello", "max_tokens": 100_000}, 400, "context_length_exceeded",
      "max_tokens"),
 ]:

@@ -173,6 +173,24 @@ def check_body(body: Any, endpoint: str) -> None:
         raise InvalidRequest("stream_options may only be sent with stream: true.", param="stream_options")
 
 
+# /generate, fovea's simple shape, takes these and nothing else (stream, fovea, user, ... are refused).
+GENERATE_FIELDS = ("model", "prompt", "image", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                   "seed", "stop", "n", "ignore_eos", "min_tokens")
+
+
+def check_generate_body(body: Any) -> None:
+    if not isinstance(body, dict):
+        return
+    for name in body:
+        if name not in GENERATE_FIELDS:
+            raise UnsupportedParameter(f"/generate takes only {', '.join(GENERATE_FIELDS)}; {name!r} is not one of "
+                                       "them: remove it, or use /v1/chat/completions (docs/api.md lists its fields).",
+                                       param=name)
+    n = body.get("n")
+    if _is_int(n) and n > 1:
+        raise UnsupportedParameter(f"n={n} is not supported: only 1.", param="n")
+
+
 def markdown_table(endpoint: str) -> str:
     rows = ["| field | status | notes |", "|---|---|---|"]
     for f in fields_for(endpoint):

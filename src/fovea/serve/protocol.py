@@ -137,6 +137,12 @@ class GenerateRequest(SamplingFields):
     prompt: str = Field(min_length=1)
     image: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_silent_ignore(cls, data):
+        fields.check_generate_body(data)
+        return data
+
 
 def completion_id(prefix: str = "chatcmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
