@@ -22,6 +22,7 @@ import pytest
 from scene_helpers import data_url, free_port, fresh_scene, run_all
 
 import fovea
+from fovea import __version__
 from fovea.cli import main
 from fovea.config import ServerSettings
 from fovea.demo import scenes
@@ -386,6 +387,12 @@ def test_without_a_ready_pd_worker_requests_get_503_pd_unavailable_and_health_is
         body = client.get("/health").json()
         assert body["status"] == "degraded" and len(body["reasons"]) == 2, body
         assert [w["error"] for w in body["pd_workers"]] == ["not running (dead)"] * 2
+        # The small endpoints: answered by the front itself, or routed to a worker like chat.
+        assert client.get("/version").json() == {"version": __version__}
+        head = client.head("/metrics")
+        assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
+        for path in ("/tokenize", "/detokenize"):
+            assert client.post(path, json={"prompt": "hi"}).json()["error"]["code"] == "pd_unavailable"
     finally:
         encoders.stop()
     assert not os.path.exists(encoders.directory)

@@ -107,8 +107,12 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
                 "encode_workers": encode}
         return JSONResponse(body, status_code=503 if (settings.strict and status != "ok") else 200)
 
-    @app.get("/metrics")
-    async def metrics_route():
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics_route(request: Request):
         ready = fleet.ready()
         replies = await asyncio.gather(*(proxy.fetch(w, "/metrics", WORKER_HEALTH_TIMEOUT_S) for w in ready),
                                        return_exceptions=True)
@@ -116,7 +120,10 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
                  if isinstance(r, httpx.Response) and r.status_code == 200}
         metrics.pd_ready.set(len(ready))
         metrics.encode_ready.set(sum(e["state"] == "ready" for e in encoders.status()))
-        return Response(metrics.render() + merge(texts), media_type=CONTENT_TYPE_LATEST)
+        body = metrics.render() + merge(texts)  # bytes
+        if request.method == "HEAD":  # GET's status and headers, no body
+            return Response(headers={"content-length": str(len(body))}, media_type=CONTENT_TYPE_LATEST)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -132,6 +139,14 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
 
     @app.post("/generate")
     async def generate(request: Request):
+        return await proxy.one(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await proxy.one(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
         return await proxy.one(request)
 
     @app.post("/v1/images")
