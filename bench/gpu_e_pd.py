@@ -46,8 +46,6 @@ from gpu_serve import Server, bodies, gib, process_gpu_bytes
 
 from fovea.testing.random_llava import write_model_dir
 
-GB = 1e9
-
 
 def log(msg: str) -> None:
     print(f"[e_pd-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)

@@ -291,11 +291,11 @@ class EncoderPool:
             worker.state, worker.batches = "ready", worker.batches + 1
             worker.peak_reserved_bytes = reply[0][0].get("peak_reserved_bytes")
             worker.lock.release()
-            self._observe(reply[0][0], timing, time.perf_counter() - started, len(images))
+            self._observe(worker, reply[0][0], timing, time.perf_counter() - started, len(images))
             return out
         raise EncoderUnavailable(f"no encode worker could encode {len(images)} image(s): {last}; retry shortly")
 
-    def _observe(self, batch: dict, timing: dict, seconds: float, images: int) -> None:
+    def _observe(self, worker: WorkerHandle, batch: dict, timing: dict, seconds: float, images: int) -> None:
         """The hand-off's cost: the round trip less the worker's vision forward, per image
         (pixels out, embeddings sealed, back, landed on the device and verified), and where it
         goes: each side's writing, the worker's reading and sealing, this side's landing and
@@ -308,7 +308,8 @@ class EncoderPool:
                  "this_land": timing.get("land_s", 0.0),
                  "pipe": max(0.0, timing.get("exchange_s", 0.0) - batch.get("handle_s", 0.0))
                  if "exchange_s" in timing and "handle_s" in batch else 0.0}
-        self.handoff_pinned = {"worker": batch.get("pinned"), "this_side": self._pinned_here()}
+        segment = getattr(getattr(worker.channel, "incoming", None), "segment", None)  # Ray: none
+        self.handoff_pinned = {"worker": batch.get("pinned"), "this_side": segment.pinned if segment else None}
         with self._pick:
             totals = self.handoff_totals
             totals["batches"] += 1
@@ -329,10 +330,6 @@ class EncoderPool:
                 "parts_ms_per_image": {name: 1e3 * value / n for name, value in totals.items()},
                 "pinned": self.handoff_pinned}
 
-    def _pinned_here(self) -> bool | None:
-        channel = self.workers[0].channel
-        segment = getattr(getattr(channel, "incoming", None), "segment", None)
-        return segment.pinned if segment is not None else None
 
     def _verify(self, reply: list, batch_id: str, images: list[ImageInput]) -> list[torch.Tensor | BaseException]:
         head = reply[0][0] if reply else {}

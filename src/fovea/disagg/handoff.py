@@ -103,6 +103,13 @@ def as_bytes(data: torch.Tensor) -> torch.Tensor:
     return data.contiguous().view(-1).view(torch.uint8)
 
 
+def byte_tensor(payload: torch.Tensor | bytes) -> torch.Tensor:
+    """Raw bytes as a flat uint8 tensor (a copy: frombuffer needs a writable buffer); a tensor as is."""
+    if not isinstance(payload, bytes):
+        return payload
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+
+
 def seal_many(rows: list[torch.Tensor], metas: list[dict]) -> list[tuple[EmbeddingHeader, torch.Tensor]]:
     """Headers and byte views of each image's rows ([tokens, hidden]), checksummed on their own
     device with one synchronisation for the batch. ``metas`` give each image's header fields
@@ -197,8 +204,7 @@ def land_each(items: list[tuple[EmbeddingHeader, torch.Tensor | bytes]],
     out: list[torch.Tensor | HandoffMismatch | None] = [None] * len(items)
     sound: list[tuple[int, torch.Tensor]] = []
     for index, (header, payload) in enumerate(items):
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if isinstance(payload, bytes) and payload \
-            else (torch.empty(0, dtype=torch.uint8) if isinstance(payload, bytes) else payload)
+        data = byte_tensor(payload)
         dtype = DTYPES.get(header.dtype)
         rows, hidden = header.shape
         if dtype is None or data.numel() != rows * hidden * dtype.itemsize:

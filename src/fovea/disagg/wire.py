@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from fovea.disagg.handoff import as_bytes, pack, unpack
+from fovea.disagg.handoff import as_bytes, byte_tensor, pack, unpack
 from fovea.disagg.shared_segment import Segment, aligned
 
 Item = tuple[dict, torch.Tensor | None]
@@ -75,7 +75,7 @@ def decode(data: bytes, segments: Callable[[str], Segment] | None = None) -> lis
             name, start, n = at
             items.append((meta, segments(name).view(int(start), int(n))))
         else:
-            items.append((meta, torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else None))
+            items.append((meta, byte_tensor(payload) if payload else None))
     if offset != len(data):
         raise ValueError(f"{len(data) - offset} stray bytes after {count} items")
     return items

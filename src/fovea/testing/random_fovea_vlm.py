@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from fovea.model.clip_processor import make_clip_image_processor
@@ -37,6 +37,7 @@ from fovea.testing.random_llava import (
     VOCAB,
     build_tokenizer,
     cli,
+    start_model_dir,
     write_weights,
 )
 
@@ -100,11 +101,8 @@ def build_image_processor(arch: Architecture) -> Any:
 
 def write_model_dir(out: Path, arch: str = "tiny", device: str = "cpu", seed: int = 0) -> Path:
     architecture = ARCHITECTURES[arch]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     config = build_config(architecture)
-    config.save_pretrained(out)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=PAD_ID, do_sample=False).save_pretrained(out)
+    out = start_model_dir(out, config)
     tokenizer = build_tokenizer()
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(out)

@@ -170,14 +170,21 @@ def write_weights(config, out: Path, device: torch.device, seed: int = 0,
     return total
 
 
-def write_model_dir(out: Path, arch: str = "llava-1.5-7b", device: str = "cpu", seed: int = 0) -> Path:
-    architecture = ARCHITECTURES[arch]
+def start_model_dir(out: Path, config) -> Path:
+    """``out`` created, with ``config`` and the greedy generation config of this tokenizer's ids
+    (BOS 1, EOS 2): what every LLaVA-style random directory starts with."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    config = build_config(architecture)
     config.save_pretrained(out)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=PAD_ID, do_sample=False).save_pretrained(out)
+    return out
+
+
+def write_model_dir(out: Path, arch: str = "llava-1.5-7b", device: str = "cpu", seed: int = 0) -> Path:
+    architecture = ARCHITECTURES[arch]
+    tokenizer = build_tokenizer()
+    config = build_config(architecture)
+    out = start_model_dir(out, config)
     processor = build_processor(architecture, tokenizer)
     processor.save_pretrained(out)
     processor.image_processor.save_pretrained(out)  # the classic preprocessor_config.json too

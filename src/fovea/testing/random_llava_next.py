@@ -23,7 +23,6 @@ import torch
 import transformers
 from transformers import (
     CLIPVisionConfig,
-    GenerationConfig,
     LlamaConfig,
     LlavaNextConfig,
     LlavaNextForConditionalGeneration,
@@ -42,6 +41,7 @@ from fovea.testing.random_llava import (
     VOCAB,
     build_tokenizer,
     cli,
+    start_model_dir,
     write_weights,
 )
 from fovea.testing.random_llava import Architecture as LlavaArchitecture
@@ -113,11 +113,8 @@ def build_processor(arch: Architecture, tokenizer: PreTrainedTokenizerFast | Non
 
 def write_model_dir(out: Path, arch: str = "llava-v1.6-vicuna-7b", device: str = "cpu", seed: int = 0) -> Path:
     architecture = ARCHITECTURES[arch]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     config = build_config(architecture)
-    config.save_pretrained(out)
-    GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=PAD_ID, do_sample=False).save_pretrained(out)
+    out = start_model_dir(out, config)
     processor = build_processor(architecture)
     processor.save_pretrained(out)
     processor.image_processor.save_pretrained(out)  # the classic preprocessor_config.json too
