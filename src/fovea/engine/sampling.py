@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +22,8 @@ class SamplingParams:
     # token can be sampled and no stop string ends the answer.
     ignore_eos: bool = False
     min_tokens: int = 0
+    # Structured outputs: a compiled xgrammar grammar the answer must match (None: free text).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

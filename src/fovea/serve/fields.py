@@ -94,6 +94,17 @@ FIELDS: tuple[Field, ...] = (
           example=6),
     Field("fovea", HONOURED, "fovea extension: `{\"grounding\": true}` adds a per-request grounding score",
           example={"grounding": True}),
+    # Structured outputs (docs/structured-outputs.md): at most one of these per request.
+    Field("response_format", HONOURED, "`{\"type\": \"json_object\"}` (any JSON) or `{\"type\": \"json_schema\", "
+          "\"json_schema\": {\"name\", \"schema\", \"strict\"}}`: the answer matches, by grammar; `text`: free text",
+          example={"type": "json_object"}),
+    Field("structured_outputs", HONOURED, "vLLM extension (vLLM >= 0.12): one of `json` (a schema), `regex`, "
+          "`choice`, `grammar` (EBNF) or `json_object: true`", example={"choice": ["yes", "no"]}),
+    Field("guided_json", HONOURED, "older vLLM extension: `structured_outputs.json`", example={"type": "object"}),
+    Field("guided_regex", HONOURED, "older vLLM extension: `structured_outputs.regex`", example="(yes|no)"),
+    Field("guided_choice", HONOURED, "older vLLM extension: `structured_outputs.choice`", example=["yes", "no"]),
+    Field("guided_grammar", HONOURED, "older vLLM extension: `structured_outputs.grammar` (EBNF, xgrammar's "
+          "dialect)", example='root ::= "yes" | "no"'),
     # Accepted where they change nothing.
     Field("user", NOOP, "any string: an end-user id for the caller's records, which by definition does not "
           "change the answer; fovea does not store it", example="alice"),
@@ -117,8 +128,6 @@ FIELDS: tuple[Field, ...] = (
           example=0.1),
     Field("logit_bias", NOOP, "only `{}`: fovea applies no logit bias", values=_empty, example={"1": 5}),
     Field("stop_token_ids", NOOP, "vLLM extension; only `[]`: use `stop` strings", values=_empty, example=[2]),
-    Field("response_format", NOOP, "only `{\"type\": \"text\"}`: fovea has no JSON mode or structured outputs",
-          frozenset({CHAT}), values=lambda v: v == {"type": "text"}, example={"type": "json_object"}),
     Field("tools", NOOP, "only `[]`. " + _TOOLS, values=_empty, endpoints=frozenset({CHAT}),
           example=[{"type": "function", "function": {"name": "f"}}]),
     Field("tool_choice", NOOP, "only `\"none\"`. " + _TOOLS, values=lambda v: v == "none",

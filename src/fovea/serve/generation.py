@@ -19,6 +19,7 @@ from fovea.model.prompt import EncodedPrompt
 from fovea.serve import protocol
 from fovea.serve.protocol import SamplingFields
 from fovea.serve.state import ServerState
+from fovea.serve.structured import compile_request_grammar
 
 
 class EngineFailure(FoveaError):
@@ -102,6 +103,7 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     """``blank_twin`` (the prompt with blank images) asks for a per-request grounding score."""
     params = sampling_params(state, req, prompt)
     state.engine.check_fits(prompt, params)  # 400 before any streaming starts
+    params.grammar = await compile_request_grammar(state, req)  # structured outputs (None: free text)
     rid = protocol.completion_id("chatcmpl" if fmt.kind == "chat" else "cmpl")
     grounding = bool(req.fovea and req.fovea.grounding)
     twin = blank_twin if grounding else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -80,6 +80,13 @@ class SamplingFields(_Lenient):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     fovea: FoveaOptions | None = None
+    # Structured outputs (checked and compiled by serve/structured.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted and unused: they describe the caller and cannot change the answer (docs/api.md).
     user: str | None = None
     metadata: dict[str, str] | None = None

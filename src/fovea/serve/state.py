@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from fovea.config import ServerSettings
 from fovea.engine.paged.engine import PagedEngine
@@ -12,6 +13,7 @@ from fovea.model.contract import ModelContract
 from fovea.model.loader import LoadedModel
 from fovea.serve.metrics import Metrics
 from fovea.serve.preprocess import Preprocessor
+from fovea.serve.structured import build_grammar_compiler
 
 
 @dataclass
@@ -28,6 +30,7 @@ class ServerState:
     metrics: Metrics
     canary: Canary
     preprocessor: Preprocessor
+    grammars: Any = None  # structured outputs' GrammarCompiler; None: xgrammar is not installed
 
     def health(self) -> tuple[str, list[str]]:
         """("ok" | "degraded", reasons)."""
@@ -64,6 +67,7 @@ class ServerState:
             metrics=metrics,
             canary=Canary(loaded, engine, media=settings.media, prompts=preprocessor.prompts),
             preprocessor=preprocessor,
+            grammars=build_grammar_compiler(loaded, lm_head_rows(loaded, engine)),
         )
 
 
@@ -72,3 +76,11 @@ def preprocess_workers(settings: ServerSettings, loaded: LoadedModel) -> int:
     (bench/preprocess_probe.py, LLaVA-1.5-7B's processor, docs/benchmarks.md): threads prepared
     245 requests/s; 7 worker processes 6 requests/s, their first requests stalling 10-40 s."""
     return settings.preprocess_workers or 0
+
+
+def lm_head_rows(loaded: LoadedModel, engine: Any) -> int:
+    """The width of the logits the sampler sees (the LM head's rows, padding included)."""
+    llama = getattr(getattr(engine, "runner", None), "llama", None)
+    if llama is not None:
+        return int(llama.lm_head.shape[0])
+    return int(loaded.model.get_output_embeddings().weight.shape[0])

@@ -28,6 +28,7 @@ from fovea.engine.paged.scheduler import Scheduler, StepPlan
 from fovea.engine.paged.sequence import SeqStatus, Sequence
 from fovea.engine.request import EngineRequest, ErrorEvent, Event, check_fits_context, submit_and_stream
 from fovea.engine.sampling import SamplingParams
+from fovea.engine.structured.spec import StructuredOutputError
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch
@@ -315,7 +316,11 @@ class PagedEngine:
                 continue  # cancelled or failed while the step ran
             if row in step.logprobs:
                 seq.request.first_logprobs = step.logprobs[row].cpu()
-            reason = seq.resolve_token(token, eos)
+            try:
+                reason = seq.resolve_token(token, eos)
+            except StructuredOutputError as exc:  # this sequence's grammar refused it: only it fails
+                self._fail(seq, exc)
+                continue
             if reason is not None:
                 self._finish(seq, reason)
         phases["sample_wait"] += t1 - t0

@@ -35,6 +35,9 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[i
     share one batched argmax; the others draw from their own seeded generator."""
     if eos_ids:
         block_eos_(logits, seqs, eos_ids)
+    if any(seq.grammar is not None for seq in seqs):
+        from fovea.engine.structured.bitmask import apply_grammar_masks_  # imports xgrammar
+        apply_grammar_masks_(logits, seqs)
     tokens = logits.argmax(dim=-1)
     drawn = [i for i, seq in enumerate(seqs) if not seq.request.params.greedy]
     if drawn:

@@ -128,8 +128,9 @@ class Scheduler:
         plan = StepPlan()
         while True:
             self._schedule_into(plan)
-            if plan.chunks or not self.running:
-                return plan
+            if plan.chunks or not self.running or any(s.grammar is not None and s.pending_row is not None
+                                                      for s in self.running):
+                return plan  # (a structured sequence waits for its in-flight token: nothing to preempt)
             # Every running sequence is mid-prefill with no block to grow into: make room.
             victim = self.running[-1]
             self._preempt(victim)
@@ -145,6 +146,8 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or not seq.is_decode or not seq.wants_more:
                 continue  # (a sequence whose last token is in flight and will end it waits for it)
+            if seq.grammar is not None and seq.pending_row is not None:
+                continue  # structured: its next mask needs its in-flight token (docs/structured-outputs.md)
             while not blocks.ensure(seq, seq.num_computed + 1):
                 victim = self.running[-1]  # never one already scheduled: those are older than seq
                 self._preempt(victim)

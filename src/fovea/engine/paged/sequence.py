@@ -13,6 +13,14 @@ from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent
 from fovea.engine.sampling import make_generator
 
 
+def start_grammar(compiled):
+    """A matcher for a structured request's grammar (xgrammar is imported only when one is used)."""
+    if compiled is None:
+        return None
+    from fovea.engine.structured.matcher import GrammarState
+    return GrammarState(compiled)
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -67,6 +75,7 @@ class Sequence:
         # that token is still on the device (its place in token_ids holds pending_token(row)).
         self.pending_row: int | None = None
         self.first_token_s: float | None = None
+        self.grammar = start_grammar(request.params.grammar)  # structured outputs; None: free text
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +123,8 @@ class Sequence:
         self.pending_row = None
         self.produced += 1
         params = self.request.params
+        if self.grammar is not None:
+            self.grammar.accept(token)  # raises StructuredOutputError for a token it refuses
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter() - self.request.arrival
         if token in eos and params.ends_on_eos(self.produced):
@@ -122,7 +133,7 @@ class Sequence:
         self.token_ids[-1] = token
         text = self.detok.push(token, check_stops=params.stops_checked(self.produced))
         self.request.emit(TokenEvent(text, token))
-        if self.detok.stopped:
+        if self.detok.stopped or (self.grammar is not None and self.grammar.terminated):
             return "stop"
         if self.produced >= params.max_tokens:
             return "length"

@@ -1,0 +1,47 @@
+"""The structured rows' token masks, applied to a step's logits in place on their device.
+
+Only the rows of structured sequences are filled (on the host, by each row's matcher) and
+masked (xgrammar's ``apply_token_bitmask_inplace`` with their indices): free-text rows of the
+same batch are not touched. On CUDA the filled rows cross in one asynchronous copy from
+pinned memory, queued behind the step's forward like the rest of the step's inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+import xgrammar as xgr
+
+from fovea.engine.paged.staging import to_device
+
+
+def structured_rows(seqs: Seq) -> list[int]:
+    return [i for i, seq in enumerate(seqs) if getattr(seq, "grammar", None) is not None]
+
+
+def apply_grammar_masks_(logits: torch.Tensor, seqs: Seq) -> None:
+    """Mask, in ``logits`` ([len(seqs), vocab]), every token the row's grammar does not allow next."""
+    rows = structured_rows(seqs)
+    if not rows:
+        return
+    vocab = logits.shape[-1]
+    on_cuda = logits.device.type == "cuda"
+    compact = torch.full(xgr.get_bitmask_shape(len(rows), vocab), -1, dtype=torch.int32, pin_memory=on_cuda)
+    for k, row in enumerate(rows):
+        seqs[row].grammar.fill(compact, k)
+    empty = (compact == 0).all(dim=-1)
+    for k in empty.nonzero().flatten().tolist():
+        # No token can go on. Raising here would fail the whole batch: the row samples unmasked
+        # and its matcher refuses that token when it reaches the host, failing this sequence only.
+        seqs[rows[k]].grammar.dead = True
+        compact[k] = -1
+    if not on_cuda:
+        full = torch.empty((len(seqs), compact.shape[-1]), dtype=torch.int32)
+        full[rows] = compact
+        xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab, indices=rows)
+        return
+    index = to_device(logits.device, [(rows, torch.int32)])[0]
+    full = torch.empty((len(seqs), compact.shape[-1]), dtype=torch.int32, device=logits.device)
+    full.index_copy_(0, index.long(), compact.to(logits.device, non_blocking=True))
+    xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab, indices=index)

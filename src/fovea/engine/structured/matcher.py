@@ -1,0 +1,34 @@
+"""One structured sequence's progress through its grammar."""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+from fovea.engine.structured.spec import StructuredOutputError
+
+
+class GrammarState:
+    """Accepts each token that reaches the host and fills the mask of the next one.
+
+    The next mask depends on every token before it, so it can be filled only once the previous
+    token is on the host: the scheduler leaves a structured sequence out of a step while its
+    token is in flight (``waits_for_token``)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.dead = False  # set when no token of the vocabulary could continue (see bitmask)
+
+    def accept(self, token: int) -> None:
+        if self.dead:
+            raise StructuredOutputError("no token of the model's vocabulary can continue this structured answer")
+        if not self.matcher.accept_token(token):
+            raise StructuredOutputError(f"token {token} was sampled but its grammar does not allow it")
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted: the answer is over."""
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
