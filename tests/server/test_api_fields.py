@@ -25,7 +25,7 @@ NOOP_VALUES = {
     "user": "alice", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": False,
     "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
     "repetition_penalty": 1.0, "top_k": -1, "min_p": 0, "logit_bias": {}, "stop_token_ids": [],
-    "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "functions": [],
+    "tools": [], "tool_choice": "none", "functions": [],
     "function_call": "none", "modalities": ["text"], "echo": False, "best_of": 1, "suffix": "",
 }
 
@@ -147,12 +147,32 @@ def _fovea(post, ep):
     assert "image_dependent" in body["fovea"]["grounding"]
 
 
+def _unsatisfiable(name, value):
+    def check(post, ep):  # the demo model's word-level vocabulary cannot spell JSON: refused, not ignored
+        refused(post(ep, **{name: value}), name, code="grammar_unsatisfiable")
+        if name == "response_format":
+            assert text_of(ok(post(ep, temperature=0, response_format={"type": "text"}))) == ANSWER
+    return check
+
+
+def _one_of(name, value):
+    def check(post, ep):
+        body = ok(post(ep, temperature=2.0, seed=3, **{name: value}))
+        assert text_of(body) in ("yes", "no") and body["choices"][0]["finish_reason"] == "stop"
+    return check
+
+
 HONOURED_CHECKS = {
     "model": _model, "messages": _content, "prompt": _content, "images": _content,
     "max_tokens": _max_tokens("max_tokens"), "max_completion_tokens": _max_tokens("max_completion_tokens"),
     "temperature": _temperature, "top_p": _top_p, "seed": _seed, "stop": _stop, "stream": _stream,
     "stream_options": _stream_options, "n": _n, "ignore_eos": _ignore_eos, "min_tokens": _min_tokens,
     "fovea": _fovea,
+    "response_format": _unsatisfiable("response_format", {"type": "json_object"}),
+    "guided_json": _unsatisfiable("guided_json", {"type": "object"}),
+    "structured_outputs": _one_of("structured_outputs", {"choice": ["yes", "no"]}),
+    "guided_choice": _one_of("guided_choice", ["yes", "no"]), "guided_regex": _one_of("guided_regex", "(yes|no)"),
+    "guided_grammar": _one_of("guided_grammar", 'root ::= "yes" | "no"'),
 }
 
 
