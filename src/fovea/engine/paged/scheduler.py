@@ -63,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
+        self.structured_waits = 0  # decode rows left out of a step: a structured token still in flight
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -147,6 +148,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or not seq.is_decode or not seq.wants_more:
                 continue  # (a sequence whose last token is in flight and will end it waits for it)
             if seq.grammar is not None and seq.pending_row is not None:
+                self.structured_waits += 1
                 continue  # structured: its next mask needs its in-flight token (docs/structured-outputs.md)
             while not blocks.ensure(seq, seq.num_computed + 1):
                 victim = self.running[-1]  # never one already scheduled: those are older than seq

@@ -59,7 +59,9 @@ class GrammarCompiler:
         self.capacity = capacity
         self._lru: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a compilation that is already done when its callback is attached (in
+        # _future, under the lock) runs _store at once, in the same thread.
+        self._lock = threading.RLock()
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fovea-grammar")
         self.compiled = 0  # compilations run (cache misses)
 
@@ -98,7 +100,7 @@ class GrammarCompiler:
         self.compiled += 1
         try:
             compiled = self._compile_source(spec)
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError/InvalidJSONError with its reason
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, InvalidJSONError...
             raise GrammarRefused(f"{spec.param}: xgrammar cannot compile this {spec.kind.replace('_', ' ')}: "
                                  f"{str(exc).strip()[:500]}", code=_CODES[spec.kind], param=spec.param) from None
         check_satisfiable(compiled, spec, self.vocab_size)

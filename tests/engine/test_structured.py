@@ -1,0 +1,185 @@
+"""Structured outputs inside the engine: masks, padding rows, the overlapped step, the grammar cache."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import threading
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+from PIL import Image
+
+from fovea.engine.paged.config import PagedEngineConfig
+from fovea.engine.paged.engine import PagedEngine
+from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.engine.structured.bitmask import apply_grammar_masks_
+from fovea.engine.structured.compiler import GrammarCompiler
+from fovea.engine.structured.matcher import GrammarState
+from fovea.engine.structured.spec import GrammarSpec, StructuredOutputError
+from fovea.model.loader import load_model
+from fovea.testing.byte_level_model import write_model_dir
+
+SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 99}},
+          "required": ["kind", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(write_model_dir(tmp_path_factory.mktemp("bq")), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def compiler(model):
+    rows = model.model.get_output_embeddings().weight.shape[0]
+    return GrammarCompiler(model.tokenizer, rows, sorted(model.eos_token_ids), capacity=2)
+
+
+def prompt(model, text: str, image: bool = True):
+    rendered = model.codec.render([{"role": "user", "content": ([{"type": "image"}] if image else [])
+                                    + [{"type": "text", "text": text}]}])
+    return model.codec.encode(rendered, [Image.new("RGB", (56, 56), (10, 200, 10))] if image else [])
+
+
+async def run(engine, p, params):
+    tokens = []
+    async for event in engine.generate(p, params):
+        if isinstance(event, TokenEvent) and event.token_id >= 0:
+            tokens.append(event.token_id)
+        elif isinstance(event, FinishEvent):
+            return tokens, event
+        elif isinstance(event, ErrorEvent):
+            return tokens, event.error
+
+
+def test_padding_rows_are_always_masked(model, compiler):
+    """The LM head has rows past the tokenizer's vocabulary: no grammar may pick them."""
+    vocab = compiler.vocab_size
+    assert vocab > len(model.tokenizer)
+    state = GrammarState(compiler.get_now(GrammarSpec.json_schema(SCHEMA, "s")))
+    for text in ['{"kind": "', 'cat", "n": ', "7"]:
+        logits = torch.zeros(2, vocab)
+
+        class Row:
+            grammar, request = state, None
+        apply_grammar_masks_(logits, [type("Free", (), {"grammar": None})(), Row()])
+        assert torch.isinf(logits[1, len(model.tokenizer):]).all()  # padding rows masked
+        assert not torch.isinf(logits[0]).any()  # the free-text row is untouched
+        for token in model.tokenizer.encode(text, add_special_tokens=False):
+            state.accept(token)
+
+
+def test_cache_compiles_once_off_the_caller_and_evicts(compiler):
+    threads: list[str] = []
+    original = compiler._compile_source
+
+    def spy(spec):
+        threads.append(threading.current_thread().name)
+        return original(spec)
+
+    compiler._compile_source = spy
+    try:
+        specs = [GrammarSpec("regex", f"[a-c]{{{i}}}", "r") for i in (2, 3, 4)]
+
+        async def twice():
+            return await asyncio.gather(compiler.get(specs[0]), compiler.get(specs[0]))
+
+        first, second = asyncio.run(twice())
+        assert first is second and len(threads) == 1 and threads[0].startswith("fovea-grammar")
+        for spec in specs[1:]:
+            compiler.get_now(spec)
+        assert compiler.get_now(specs[2]) is compiler.get_now(specs[2]) and len(threads) == 3
+        compiler.get_now(specs[0])  # evicted by the two after it (capacity 2): compiled again
+        assert len(threads) == 4
+    finally:
+        compiler._compile_source = original
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_mixed_batch(model, compiler, overlap):
+    """Structured rows in one batch with free-text rows that answer exactly as alone; with the
+    step queued ahead a structured row sits out the steps its token is in flight."""
+    engine = PagedEngine(model, PagedEngineConfig(num_blocks=256, overlap_steps=overlap))
+    engine.start()
+    try:
+        grammar = compiler.get_now(GrammarSpec.json_schema(SCHEMA, "s"))
+        free = [prompt(model, w, image=i == 0) for i, w in enumerate(["one", "two two"])]
+        alone = [asyncio.run(run(engine, p, SamplingParams(max_tokens=12, temperature=0)))[0] for p in free]
+
+        async def together():
+            jobs = [run(engine, p, SamplingParams(max_tokens=12, temperature=0)) for p in free]
+            jobs += [run(engine, prompt(model, f"q{i}"), SamplingParams(max_tokens=60, temperature=1.0, seed=i,
+                                                                         grammar=grammar)) for i in range(3)]
+            return await asyncio.gather(*jobs)
+
+        results = asyncio.run(together())
+        assert [tokens for tokens, _ in results[:2]] == alone
+        assert (engine.scheduler.structured_waits > 0) == overlap  # sat out only when a token was in flight
+        for _, finish in results[2:]:
+            assert isinstance(finish, FinishEvent) and finish.finish_reason == "stop", finish
+            jsonschema.validate(json.loads(finish.text), SCHEMA)
+    finally:
+        engine.stop()
+
+
+def test_json_object_ends(tmp_path):
+    """With every logit equal, greedy takes the lowest allowed id (the closers): the object ends."""
+    flat = load_model(write_model_dir(tmp_path / "flat", flat_logits=True), device="cpu", dtype="float32")
+    rows = flat.model.get_output_embeddings().weight.shape[0]
+    grammars = GrammarCompiler(flat.tokenizer, rows, sorted(flat.eos_token_ids))
+    engine = PagedEngine(flat, PagedEngineConfig(num_blocks=64))
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0, grammar=grammars.get_now(GrammarSpec("json_object", "",
+                                                                                                   "r")))
+        _, finish = asyncio.run(run(engine, prompt(flat, "x"), params))
+        assert finish.finish_reason == "stop" and isinstance(json.loads(finish.text), dict), finish.text
+    finally:
+        engine.stop()
+
+
+def test_a_dead_end_fails_only_its_request(demo_model):
+    """The demo's word-level vocabulary can begin "red circle" but has no space token to go on:
+    that request fails with structured_output_failed; a free-text one beside it is answered."""
+    rows = demo_model.model.get_output_embeddings().weight.shape[0]
+    grammars = GrammarCompiler(demo_model.tokenizer, rows, sorted(demo_model.eos_token_ids))
+    engine = PagedEngine(demo_model, PagedEngineConfig(num_blocks=64))
+    engine.start()
+    try:
+        text = demo_model.codec.render([{"role": "user", "content": "how many shapes are there ?"}])
+        p = demo_model.codec.encode(text, [])
+        dead = SamplingParams(max_tokens=8, temperature=0,
+                              grammar=grammars.get_now(GrammarSpec.choice(["red circle"], "c")))
+
+        async def both():
+            return await asyncio.gather(run(engine, p, dead), run(engine, p, SamplingParams(max_tokens=8,
+                                                                                             temperature=0)))
+
+        (_, error), (_, finish) = asyncio.run(both())
+        assert isinstance(error, StructuredOutputError) and error.code == "structured_output_failed"
+        assert isinstance(finish, FinishEvent) and finish.completion_tokens > 0
+    finally:
+        engine.stop()
+
+
+def test_bitmask_shape_matches_xgrammar():
+    assert xgr.get_bitmask_shape(3, 1016) == (3, 32)
+
+
+def test_a_compile_done_before_its_callback_does_not_deadlock(compiler, monkeypatch):
+    """A compilation that finishes before ``add_done_callback`` runs its callback in the caller,
+    under the cache's lock (this deadlocked with a plain Lock)."""
+    done = concurrent.futures.Future()
+    done.set_result("compiled")
+    monkeypatch.setattr(compiler._pool, "submit", lambda *args: done)
+    spec = GrammarSpec("regex", "z{7}", "r")
+    outcome: list = []
+    worker = threading.Thread(target=lambda: outcome.append(compiler._future(spec).result()), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert outcome == ["compiled"] and compiler._lru[spec.key] == "compiled"
