@@ -1,0 +1,147 @@
+"""Structured outputs' cost to a batch: decode tokens/s with 0, 1 and all rows structured.
+
+    python3 bench/structured_overhead.py [--device cpu|cuda] [--model tiny|demo|DIR ...] [--batch 8] [--tokens 64]
+
+``tiny``: a random tiny Qwen2.5-VL with a byte-level tokenizer (fovea.testing.byte_level_model);
+``demo``: the shipped fovea-shapes; a directory: any served model (on a GPU, a real-size random
+one: ``python -m fovea.testing.random_qwen2_5_vl --arch qwen2.5-vl-7b --out /tmp/q7 --device cuda``).
+Every row decodes exactly ``--tokens`` tokens (min_tokens = max_tokens); a structured row follows
+the grammar ``[a-z]+`` (a regex every vocabulary can follow), so the cost measured is masking,
+not a different answer length. Prompts are encoded beforehand; only the engine is timed.
+
+Columns: all rows' tokens/s; the free-text rows' and the structured rows' tokens/s each (per
+row); host seconds per step spent filling and applying masks; steps a structured row sat out
+because its previous token was still in flight (only with overlap_steps, i.e. on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from PIL import Image
+
+from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine.request import ErrorEvent, FinishEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.engine.structured import bitmask
+from fovea.engine.structured.compiler import GrammarCompiler
+from fovea.engine.structured.spec import GrammarSpec
+from fovea.model.loader import load_model
+
+
+def model_dir(name: str, tmp: Path) -> Path | None:
+    if name == "demo":
+        return None  # the shipped model
+    if name == "tiny":
+        from fovea.testing.byte_level_model import write_model_dir
+        return write_model_dir(tmp / "tiny")
+    return Path(name)
+
+
+class MaskTimer:
+    """Wall seconds inside apply_grammar_masks_ (the sampler imports it from the module per call)."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls, self._real = 0.0, 0, bitmask.apply_grammar_masks_
+
+    def __enter__(self) -> MaskTimer:
+        def timed(logits, seqs):
+            t0 = time.perf_counter()
+            self._real(logits, seqs)
+            if logits.device.type == "cuda":
+                import torch
+                torch.cuda.synchronize(logits.device)  # the mask's copy and kernel, not just their launch
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+        bitmask.apply_grammar_masks_ = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        bitmask.apply_grammar_masks_ = self._real
+
+
+async def timed_request(engine, prompt, params) -> tuple[int, float]:
+    started = time.perf_counter()
+    async for event in engine.generate(prompt, params):
+        if isinstance(event, FinishEvent):
+            return event.completion_tokens, time.perf_counter() - started
+        if isinstance(event, ErrorEvent):
+            raise event.error
+    raise AssertionError("no finish event")
+
+
+def run_case(engine, prompt, grammar, batch: int, structured: int, tokens: int) -> dict:
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0,
+                              grammar=grammar if i < structured else None)
+
+    async def together():
+        return await asyncio.gather(*(timed_request(engine, prompt, params(i)) for i in range(batch)))
+
+    waits = engine.scheduler.structured_waits
+    with MaskTimer() as masks:
+        started = time.perf_counter()
+        results = asyncio.run(together())
+        wall = time.perf_counter() - started
+    free = [n / s for n, s in results[structured:]]
+    done = [n / s for n, s in results[:structured]]
+    return {"rows": f"{structured}/{batch}", "tok_s": sum(n for n, _ in results) / wall,
+            "free_row_tok_s": sum(free) / len(free) if free else float("nan"),
+            "structured_row_tok_s": sum(done) / len(done) if done else float("nan"),
+            "mask_ms_per_step": 1e3 * masks.seconds / max(1, masks.calls),
+            "sat_out": engine.scheduler.structured_waits - waits}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model", nargs="+", default=["tiny", "demo"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--overlap", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                        help="overlap_steps (auto: the engine's default, on for CUDA models of real size)")
+    parser.add_argument("--repeats", type=int, default=3, help="each case this many times; the best is shown")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overlap in [(m, o) for m in args.model for o in args.overlap]:
+            loaded = load_model(model_dir(name, Path(tmp)), device=args.device, dtype=args.dtype)
+            engine = PagedEngine(loaded, PagedEngineConfig(overlap_steps={"auto": None, "on": True,
+                                                                          "off": False}[overlap]))
+            engine.start()
+            try:
+                grammars = GrammarCompiler(loaded.tokenizer, int(engine.runner.llama.lm_head.shape[0]),
+                                           sorted(loaded.eos_token_ids))
+                t0 = time.perf_counter()
+                grammar = grammars.get_now(GrammarSpec("regex", "[a-z]+", "bench"))
+                compile_ms = 1e3 * (time.perf_counter() - t0)
+                text = loaded.codec.render([{"role": "user", "content": [{"type": "image"},
+                                                                         {"type": "text", "text": "describe"}]}])
+                prompt = loaded.codec.encode(text, [Image.new("RGB", (224, 224), (200, 40, 40))])
+                run_case(engine, prompt, grammar, args.batch, 1, 8)  # warm-up
+                for structured in (0, 1, args.batch):
+                    best = max((run_case(engine, prompt, grammar, args.batch, structured, args.tokens)
+                                for _ in range(args.repeats)), key=lambda r: r["tok_s"])
+                    rows.append({"model": name, "overlap": engine.config.overlap_steps,
+                                 "compile_ms": compile_ms, **best})
+            finally:
+                engine.stop()
+    head = ("model", "overlap", "rows", "tok_s", "free_row_tok_s", "structured_row_tok_s", "mask_ms_per_step",
+            "sat_out", "compile_ms")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for row in rows:
+        cells = [f"{row[h]:.1f}" if isinstance(row[h], float) else str(row[h]) for h in head]
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
