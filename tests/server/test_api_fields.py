@@ -22,11 +22,10 @@ ENDPOINTS = [fields.CHAT, fields.COMPLETIONS]
 
 # Values that change nothing, which no-op fields must accept (the table says which values pass).
 NOOP_VALUES = {
-    "user": "alice", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": False,
+    "user": "alice", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
     "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
     "repetition_penalty": 1.0, "top_k": -1, "min_p": 0, "logit_bias": {}, "stop_token_ids": [],
-    "tools": [], "tool_choice": "none", "functions": [],
-    "function_call": "none", "modalities": ["text"], "echo": False, "best_of": 1, "suffix": "",
+    "modalities": ["text"], "echo": False, "best_of": 1, "suffix": "",
 }
 
 
@@ -162,6 +161,22 @@ def _one_of(name, value):
     return check
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _no_tools_here(name, value, param=None):
+    def check(post, ep):  # the demo model's template renders no tools: refused, not ignored
+        refused(post(ep, **{name: value}), param or name, code="tools_not_supported")
+        assert text_of(ok(post(ep, temperature=0, tools=[], tool_choice="none"))) == ANSWER  # none asked
+    return check
+
+
+def _tool_choice(post, ep):
+    assert text_of(ok(post(ep, temperature=0, tool_choice="none"))) == ANSWER
+    refused(post(ep, tool_choice="required"), "tool_choice", code="invalid_request")  # no tools to require
+    refused(post(ep, tools=[TOOL], tool_choice="required"), "tools", code="tools_not_supported")
+
+
 HONOURED_CHECKS = {
     "model": _model, "messages": _content, "prompt": _content, "images": _content,
     "max_tokens": _max_tokens("max_tokens"), "max_completion_tokens": _max_tokens("max_completion_tokens"),
@@ -173,6 +188,12 @@ HONOURED_CHECKS = {
     "structured_outputs": _one_of("structured_outputs", {"choice": ["yes", "no"]}),
     "guided_choice": _one_of("guided_choice", ["yes", "no"]), "guided_regex": _one_of("guided_regex", "(yes|no)"),
     "guided_grammar": _one_of("guided_grammar", 'root ::= "yes" | "no"'),
+    "tools": _no_tools_here("tools", [TOOL]), "tool_choice": _tool_choice,
+    "parallel_tool_calls": lambda post, ep: refused(post(ep, tools=[TOOL], parallel_tool_calls=False), "tools",
+                                                    code="tools_not_supported"),
+    "functions": _no_tools_here("functions", [TOOL["function"]]),
+    "function_call": lambda post, ep: refused(post(ep, functions=[TOOL["function"]], function_call={"name": "f"}),
+                                              "functions", code="tools_not_supported"),
 }
 
 
@@ -205,8 +226,8 @@ def test_field(post, endpoint, field):
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_unknown_and_other_endpoint_fields_are_refused(post, endpoint):
     refused(post(endpoint, frobnicate=1), "frobnicate")
-    other = "suffix" if endpoint == fields.CHAT else "tools"
-    refused(post(endpoint, **{other: NOOP_VALUES[other]}), other)
+    other, value = ("suffix", "") if endpoint == fields.CHAT else ("tools", [])
+    refused(post(endpoint, **{other: value}), other)
     refused(post(endpoint, stream=True, stream_options={"continuous_usage_stats": True}),
             "stream_options.continuous_usage_stats")
     for name, value in (("user", 5), ("metadata", ["x"])):  # no-op at any value of the right type only

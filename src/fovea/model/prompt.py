@@ -23,11 +23,11 @@ def _codec(model: Any) -> PromptCodec:
     return model if isinstance(model, PromptCodec) else model.codec
 
 
-def render_chat(model: Any, messages: list[dict[str, Any]]) -> str:
+def render_chat(model: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
     """messages use transformers' form: content is a string or a list of
     ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts."""
     try:
-        return _codec(model).render(messages)
+        return _codec(model).render(messages, tools) if tools else _codec(model).render(messages)
     except Exception as exc:  # jinja raises its own error types for unsupported conversations
         raise InvalidRequest(f"the model's chat template could not render these messages: {exc}") from exc
 

@@ -148,9 +148,11 @@ class PromptCodec(ABC):
     def tokenizer(self) -> Any:
         return self.processor.tokenizer
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The model's own chat template over transformers-style messages, ready to generate."""
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The model's own chat template over transformers-style messages, ready to generate
+        (``tools``: OpenAI-style function tools, for templates that render them)."""
+        extra = {"tools": tools} if tools else {}
+        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
 
     @abstractmethod
     def reference_ids(self, messages: list[dict[str, Any]], images: list[Image.Image]) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -13,6 +14,8 @@ from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch, render_chat
 from fovea.serve.generation import respond
 from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, VideoURLPart
 from fovea.serve.state import ServerState
+from fovea.serve.structured import requested_grammar
+from fovea.serve.tools import ToolFormat, ToolRequest, call_grammar, check_template, tool_request
 
 
 class TooManyImages(FoveaError):
@@ -65,7 +68,7 @@ def to_template_messages(messages: list[ChatMessage], image_token: str = "<image
             content = ""
         if isinstance(content, str):
             refuse_typed_placeholder(content, image_token, f"messages[{i}].content")
-            out.append({"role": message.role, "content": content})
+            out.append(with_tool_fields({"role": message.role, "content": content}, message, i))
             continue
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
@@ -89,8 +92,27 @@ def to_template_messages(messages: list[ChatMessage], image_token: str = "<image
             else:
                 refuse_typed_placeholder(part.text, image_token, f"messages[{i}].content[{j}].text")
                 parts.append({"type": "text", "text": part.text})
-        out.append({"role": message.role, "content": parts})
+        out.append(with_tool_fields({"role": message.role, "content": parts}, message, i))
     return out, images
+
+
+def with_tool_fields(rendered: dict[str, Any], message: ChatMessage, i: int) -> dict[str, Any]:
+    """An assistant's earlier tool calls (arguments as objects, as chat templates expect them)
+    and a tool message's call id, for the template."""
+    if message.tool_calls:
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                raise InvalidRequest("the arguments of an earlier tool call are not JSON.",
+                                     param=f"messages[{i}].tool_calls[{j}].function.arguments") from None
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        rendered["tool_calls"] = calls
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
 
 
 async def load_image_bytes(state: ServerState, refs: list[tuple[str, str]]) -> list[tuple[bytes, str]]:
@@ -124,7 +146,7 @@ async def load_videos(state: ServerState, refs: list[tuple[str, str]]) -> list[t
     return list(await asyncio.gather(*(one(ref, where) for ref, where in refs)))
 
 
-async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest
+async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest, tools: ToolRequest | None = None
                             ) -> tuple[EncodedPrompt, EncodedPrompt | None]:
     """The prompt, and for a grounding score its twin with every image blanked."""
     video_token = getattr(state.loaded.codec, "video_token", None)
@@ -142,7 +164,7 @@ async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest
                             "(--limit-images-per-prompt).", param=video_refs[-1][1])
     images = await load_image_bytes(state, refs)
     videos = await load_videos(state, video_refs) if video_refs else []
-    text = render_chat(state.loaded, messages)  # a jinja render: well under a millisecond
+    text = render_chat(state.loaded, messages, tools.tools if tools else None)  # jinja: well under a millisecond
     grounding = bool(req.fovea and req.fovea.grounding)
     if videos:
         return await state.preprocessor.prompts(text, images, blank_twin=grounding, videos=videos)
@@ -155,7 +177,17 @@ def make_chat_router(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model_name(state, req.model)
-        prompt, twin = await build_chat_prompt(state, req)
-        return await respond(state, req, prompt, twin)
+        for i, message in enumerate(req.messages):  # a conversation with tool turns needs a template for them
+            if message.role == "tool" or message.tool_calls:
+                check_template(state.loaded, f"messages[{i}] is a tool turn", f"messages[{i}]")
+        tools = tool_request(req, state.loaded)
+        prompt, twin = await build_chat_prompt(state, req, tools)
+        if tools is None:
+            return await respond(state, req, prompt, twin)
+        other = requested_grammar(req)
+        if other is not None:
+            raise InvalidRequest(f"{other.param} cannot be combined with tools: send one or the other.",
+                                 code="conflicting_structured_outputs", param=other.param)
+        return await respond(state, req, prompt, twin, fmt=ToolFormat(), grammar=call_grammar(tools))
 
     return router

@@ -65,7 +65,6 @@ class Field:
 
 
 _LOGPROBS = "fovea returns no log-probabilities; leave it out"
-_TOOLS = "fovea has no tool calling; leave it out (or send an empty list) and describe tools in the prompt"
 
 FIELDS: tuple[Field, ...] = (
     # Honoured.
@@ -94,6 +93,17 @@ FIELDS: tuple[Field, ...] = (
           example=6),
     Field("fovea", HONOURED, "fovea extension: `{\"grounding\": true}` adds a per-request grounding score",
           example={"grounding": True}),
+    # Tools (docs/structured-outputs.md#tools): where the model's chat template renders them.
+    Field("tools", HONOURED, "function tools, rendered by the model's chat template; the answer's "
+          "`<tool_call>` blocks become `tool_calls`. A model whose template has no tools refuses them with 400 "
+          "`tools_not_supported`", frozenset({CHAT}), example=[{"type": "function", "function": {"name": "f"}}]),
+    Field("tool_choice", HONOURED, "`auto` (the model chooses), `required` or `{\"type\": \"function\", "
+          "\"function\": {\"name\": ...}}` (enforced by a grammar), `none` (tools are not rendered)",
+          frozenset({CHAT}), example="required"),
+    Field("parallel_tool_calls", HONOURED, "with `required`: false allows exactly one call, true (the default) "
+          "one or more", frozenset({CHAT}), example=False),
+    Field("functions", HONOURED, "(deprecated) read as `tools`", frozenset({CHAT}), example=[{"name": "f"}]),
+    Field("function_call", HONOURED, "(deprecated) read as `tool_choice`", frozenset({CHAT}), example="auto"),
     # Structured outputs (docs/structured-outputs.md): at most one of these per request.
     Field("response_format", HONOURED, "`{\"type\": \"json_object\"}` (any JSON) or `{\"type\": \"json_schema\", "
           "\"json_schema\": {\"name\", \"schema\", \"strict\"}}`: the answer matches, by grammar; `text`: free text",
@@ -113,8 +123,6 @@ FIELDS: tuple[Field, ...] = (
     Field("store", NOOP, "only `false`: fovea stores no completions", values=_false, example=True),
     Field("service_tier", NOOP, "only `\"auto\"` or `\"default\"`: fovea has one tier",
           values=lambda v: v in ("auto", "default"), example="flex"),
-    Field("parallel_tool_calls", NOOP, "any boolean: it only matters with tools, and tools are refused",
-          frozenset({CHAT}), values=lambda v: isinstance(v, bool), example="yes"),
     Field("logprobs", NOOP, "chat: only `false`; completions: only null. " + _LOGPROBS,
           values=_false, example=True),
     Field("top_logprobs", NOOP, "only 0. " + _LOGPROBS, frozenset({CHAT}), values=_zero, example=2),
@@ -128,14 +136,6 @@ FIELDS: tuple[Field, ...] = (
           example=0.1),
     Field("logit_bias", NOOP, "only `{}`: fovea applies no logit bias", values=_empty, example={"1": 5}),
     Field("stop_token_ids", NOOP, "vLLM extension; only `[]`: use `stop` strings", values=_empty, example=[2]),
-    Field("tools", NOOP, "only `[]`. " + _TOOLS, values=_empty, endpoints=frozenset({CHAT}),
-          example=[{"type": "function", "function": {"name": "f"}}]),
-    Field("tool_choice", NOOP, "only `\"none\"`. " + _TOOLS, values=lambda v: v == "none",
-          endpoints=frozenset({CHAT}), example="auto"),
-    Field("functions", NOOP, "(deprecated) only `[]`. " + _TOOLS, values=_empty, endpoints=frozenset({CHAT}),
-          example=[{"name": "f"}]),
-    Field("function_call", NOOP, "(deprecated) only `\"none\"`. " + _TOOLS, values=lambda v: v == "none",
-          endpoints=frozenset({CHAT}), example="auto"),
     Field("modalities", NOOP, "only `[\"text\"]`: fovea answers in text", values=lambda v: v == ["text"],
           endpoints=frozenset({CHAT}), example=["text", "audio"]),
     Field("echo", NOOP, "only `false`: send the prompt back yourself if you need it", values=_false,

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fovea.engine.image_encoder import ImageEncoder
 from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
+from fovea.engine.structured.spec import GrammarSpec
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.guard.canary import KL_FLOOR
 from fovea.guard.grounding import answer_dependence
@@ -76,6 +77,14 @@ class Format:
         return protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) \
             if self.kind == "chat" else None
 
+    def on_text(self, rid, model, created, text: str) -> list[dict]:
+        """The chunks for new answer text (a tool-call format may hold text back)."""
+        return [self.delta(rid, model, created, text)] if text else []
+
+    def on_finish(self, rid, model, created, finish_reason: str) -> list[dict]:
+        """The chunks that end the answer; the last one carries the finish reason."""
+        return [self.delta(rid, model, created, "", finish_reason)]
+
     def delta(self, rid, model, created, text: str, finish_reason: str | None = None) -> dict:
         if self.kind == "chat":
             return protocol.chat_chunk(rid, model, created, {"content": text} if text else {}, finish_reason)
@@ -99,11 +108,13 @@ async def run_to_finish(state: ServerState, prompt: EncodedPrompt, params: Sampl
 
 
 async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt,
-                  blank_twin: EncodedPrompt | None = None, fmt: Format = CHAT) -> JSONResponse | StreamingResponse:
-    """``blank_twin`` (the prompt with blank images) asks for a per-request grounding score."""
+                  blank_twin: EncodedPrompt | None = None, fmt: Format = CHAT,
+                  grammar: GrammarSpec | None = None) -> JSONResponse | StreamingResponse:
+    """``blank_twin`` (the prompt with blank images) asks for a per-request grounding score;
+    ``grammar``: one the endpoint adds (tool calls), beside the request's structured-output fields."""
     params = sampling_params(state, req, prompt)
     state.engine.check_fits(prompt, params)  # 400 before any streaming starts
-    params.grammar = await compile_request_grammar(state, req)  # structured outputs (None: free text)
+    params.grammar = await compile_request_grammar(state, req, grammar)  # structured outputs (None: free text)
     rid = protocol.completion_id("chatcmpl" if fmt.kind == "chat" else "cmpl")
     grounding = bool(req.fovea and req.fovea.grounding)
     twin = blank_twin if grounding else None
@@ -131,11 +142,13 @@ async def _stream(state: ServerState, prompt: EncodedPrompt, params: SamplingPar
         yield _sse(first)
     async for event in state.engine.generate(prompt, params, rid):
         if isinstance(event, TokenEvent):
-            if event.text:
-                yield _sse(fmt.delta(rid, model, created, event.text))
+            for chunk in fmt.on_text(rid, model, created, event.text):
+                yield _sse(chunk)
         elif isinstance(event, FinishEvent):
             state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
-            last = fmt.delta(rid, model, created, "", event.finish_reason)
+            *before, last = fmt.on_finish(rid, model, created, event.finish_reason)
+            for chunk in before:
+                yield _sse(chunk)
             if grounding:
                 last["fovea"] = {"grounding": await grounding_report(state, prompt, twin, event.text)}
             yield _sse(last)

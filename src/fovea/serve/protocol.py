@@ -46,10 +46,25 @@ class VideoURLPart(_Lenient):
 ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class StreamOptions(BaseModel):
@@ -106,6 +121,12 @@ class SamplingFields(_Lenient):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Tools (checked by serve/tools.py); functions/function_call are their deprecated shape.
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod

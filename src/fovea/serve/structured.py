@@ -117,9 +117,15 @@ def requested_grammar(req: Any) -> GrammarSpec | None:
     return spec
 
 
-async def compile_request_grammar(state: Any, req: Any) -> Any:
-    """The compiled grammar for ``req`` (None: free text), compiled off the event loop and cached."""
+async def compile_request_grammar(state: Any, req: Any, added: GrammarSpec | None = None) -> Any:
+    """The compiled grammar for ``req`` (None: free text), compiled off the event loop and cached;
+    ``added``: the endpoint's own (tool calls), which excludes the request's."""
     spec = requested_grammar(req)
+    if added is not None:
+        if spec is not None:
+            raise InvalidRequest(f"{spec.param} cannot be combined with tools: send one or the other.",
+                                 code="conflicting_structured_outputs", param=spec.param)
+        spec = added
     if spec is None:
         return None
     if state.grammars is None:

@@ -30,7 +30,8 @@ class GrammarRefused(InvalidRequest):
 
 
 _CODES = {"json_schema": "invalid_json_schema", "json_object": "invalid_json_schema",
-          "regex": "invalid_regex", "choice": "invalid_choice", "grammar": "invalid_grammar"}
+          "regex": "invalid_regex", "choice": "invalid_choice", "grammar": "invalid_grammar",
+          "structural_tag": "invalid_tool_parameters"}
 
 
 def choice_regex(options: list[str]) -> str:
@@ -116,6 +117,8 @@ class GrammarCompiler:
             return self._xgr.compile_regex(spec.source)
         if spec.kind == "choice":
             return self._xgr.compile_regex(choice_regex(json.loads(spec.source)))
+        if spec.kind == "structural_tag":  # tool calls (serve/tools.py)
+            return self._xgr.compile_structural_tag(spec.source)
         return self._xgr.compile_grammar(spec.source)
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from fovea.errors import FoveaError
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class StructuredOutputError(FoveaError):

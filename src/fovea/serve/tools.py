@@ -1,0 +1,220 @@
+"""Tool calling: ``tools`` rendered by the model's chat template, answers parsed into ``tool_calls``.
+
+fovea parses one tool-call format, the Hermes style of Qwen2.5 and its kin:
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``. A model whose chat template
+does not mention tools, or writes calls in another format, refuses tool requests with 400
+``tools_not_supported`` (Qwen2.5-VL's own template has no tools; LLaVA's neither).
+``tool_choice``: ``"auto"`` lets the model choose (nothing is constrained); ``"required"`` or a
+named function is enforced by a grammar (an xgrammar structural tag over the calls' JSON
+schemas); ``"none"`` disables tools (they are not rendered). The deprecated ``functions`` /
+``function_call`` are read as ``tools`` / ``tool_choice``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fovea.engine.request import FinishEvent
+from fovea.engine.structured.spec import GrammarSpec
+from fovea.errors import FoveaError, InvalidRequest
+from fovea.serve import protocol
+from fovea.serve.generation import Format
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ToolsNotSupported(FoveaError):
+    status, code = 400, "tools_not_supported"
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: list[dict[str, Any]]  # OpenAI's {"type": "function", "function": {...}}, checked
+    choice: str  # "auto" | "required" | "named"
+    name: str | None  # the named function
+    parallel: bool
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+
+def chat_template(loaded: Any) -> str:
+    for owner in (loaded.processor, loaded.tokenizer):
+        template = getattr(owner, "chat_template", None)
+        if isinstance(template, str) and template:
+            return template
+    return ""
+
+
+def check_template(loaded: Any, what: str, param: str) -> None:
+    template = chat_template(loaded)
+    if "tools" not in template:
+        raise ToolsNotSupported(f"{what}: this model's chat template does not render tools, so the model was "
+                                "not trained to call them; describe the functions in the prompt instead.", param=param)
+    if CALL_OPEN not in template:
+        raise ToolsNotSupported(f"{what}: this model's chat template writes tool calls in a format fovea does not "
+                                f"parse (fovea parses {CALL_OPEN}{{...}}{CALL_CLOSE}).", param=param)
+
+
+def _function(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
+            tool.get("function"), dict):
+        raise InvalidRequest(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                             "\"parameters\": {...}}}}.", param=where)
+    fn = tool["function"]
+    unknown = set(fn) - {"name", "description", "parameters", "strict"}
+    if unknown:
+        raise InvalidRequest(f"{where}.function takes name, description, parameters and strict, not {sorted(unknown)}.",
+                             param=f"{where}.function")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidRequest(f"{where}.function.name must be 1-64 letters, digits, _ or -.", param=f"{where}.function.name")
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise InvalidRequest(f"{where}.function.parameters must be a JSON schema object.",
+                             param=f"{where}.function.parameters")
+    out = {"name": name, "parameters": params}
+    if isinstance(fn.get("description"), str):
+        out["description"] = fn["description"]
+    return {"type": "function", "function": out}
+
+
+def tool_request(req: Any, loaded: Any) -> ToolRequest | None:
+    """The request's tools (None: no tools, or disabled by ``tool_choice: "none"``)."""
+    tools, choice, where = req.tools, req.tool_choice, "tools"
+    if req.functions is not None or req.function_call is not None:  # deprecated: the same, older shape
+        if tools is not None or choice is not None:
+            raise InvalidRequest("send tools/tool_choice or the deprecated functions/function_call, not both.",
+                                 param="functions")
+        tools = None if req.functions is None else [{"type": "function", "function": f} for f in req.functions]
+        call = req.function_call
+        choice = {"type": "function", "function": call} if isinstance(call, dict) else call
+        where = "functions"
+    if not tools or choice == "none":
+        if choice not in (None, "none", "auto") and not tools:
+            raise InvalidRequest("tool_choice needs tools.", param="tool_choice")
+        return None
+    check_template(loaded, where, where)
+    checked = [_function(t, f"{where}[{i}]") for i, t in enumerate(tools)]
+    names = [t["function"]["name"] for t in checked]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("two tools have the same name.", param=where)
+    name = None
+    if choice in (None, "auto"):
+        kind = "auto"
+    elif choice == "required":
+        kind = "required"
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        kind, name = "named", choice["function"].get("name")
+        if name not in names:
+            raise InvalidRequest(f"tool_choice names {name!r}, which is not one of the tools {names}.",
+                                 param="tool_choice")
+    else:
+        raise InvalidRequest("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                             "\"function\": {\"name\": ...}}.", param="tool_choice")
+    parallel = True if req.parallel_tool_calls is None else bool(req.parallel_tool_calls)
+    return ToolRequest(checked, kind, name, parallel)
+
+
+def _call_tag(tool: dict[str, Any]) -> dict[str, Any]:
+    fn = tool["function"]
+    return {"type": "tag", "begin": f'{CALL_OPEN}\n{{"name": "{fn["name"]}", "arguments": ',
+            "content": {"type": "json_schema", "json_schema": fn["parameters"], "max_whitespace_cnt": 1},
+            "end": f"}}\n{CALL_CLOSE}"}
+
+
+def call_grammar(tools: ToolRequest) -> GrammarSpec | None:
+    """For ``required`` and a named function: the answer is one call (or, with parallel calls,
+    one or more separated by newlines) and nothing else."""
+    if tools.choice == "auto":
+        return None
+    chosen = [t for t in tools.tools if tools.choice == "required" or t["function"]["name"] == tools.name]
+    tags = [_call_tag(t) for t in chosen]
+    if tools.parallel and tools.choice == "required":
+        fmt: dict[str, Any] = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+    else:
+        fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), "tool_choice")
+
+
+def template_messages_tools(tools: ToolRequest | None) -> list[dict[str, Any]] | None:
+    return None if tools is None else tools.tools
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(the text outside the calls, or None; the calls in OpenAI's shape). A block that is not
+    a JSON call with a name stays in the text."""
+    calls, kept, last = [], [], 0
+    for match in _CALL.finditer(text):
+        try:
+            body = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            continue
+        kept.append(text[last:match.start()])
+        last = match.end()
+        arguments = body.get("arguments", {})
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": body["name"], "arguments": json.dumps(arguments)
+                                   if not isinstance(arguments, str) else arguments}})
+    kept.append(text[last:])
+    content = "".join(kept).strip() if calls else text
+    return (content or None), calls
+
+
+class ToolFormat(Format):
+    """Chat answers whose tool calls become ``tool_calls``; streamed text is held back from the
+    first ``<tool_call>`` on (and while a suffix could begin one), and the calls are sent whole
+    at the end, as chunks with ``delta.tool_calls``."""
+
+    def __init__(self) -> None:
+        super().__init__("chat")
+        self.text = ""
+        self.sent = 0  # characters of self.text already streamed as content
+
+    def response(self, rid, model, finish: FinishEvent, extra) -> dict:
+        body = super().response(rid, model, finish, extra)
+        content, calls = parse_tool_calls(finish.text)
+        if calls:
+            choice = body["choices"][0]
+            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+            if finish.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+        return body
+
+    def on_text(self, rid, model, created, text: str) -> list[dict]:
+        self.text += text
+        at = self.text.find(CALL_OPEN)
+        end = at if at >= 0 else len(self.text) - _open_prefix(self.text)
+        if end <= self.sent:
+            return []
+        piece, self.sent = self.text[self.sent:end], end
+        return [self.delta(rid, model, created, piece)]
+
+    def on_finish(self, rid, model, created, finish_reason: str) -> list[dict]:
+        content, calls = parse_tool_calls(self.text)
+        if not calls:  # no call after all: the held-back text is content
+            rest = self.text[self.sent:]
+            out = [self.delta(rid, model, created, rest)] if rest else []
+            return [*out, self.delta(rid, model, created, "", finish_reason)]
+        out = []
+        for i, call in enumerate(calls):
+            out.append(protocol.chat_chunk(rid, model, created, {"tool_calls": [{"index": i, **call}]}))
+        out.append(self.delta(rid, model, created, "", "tool_calls" if finish_reason == "stop" else finish_reason))
+        return out
+
+
+def _open_prefix(text: str) -> int:
+    """The length of the longest suffix of ``text`` that begins ``<tool_call>``."""
+    for n in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
+        if CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
