@@ -51,7 +51,7 @@ class MaskTimer:
     def __init__(self) -> None:
         self.seconds, self.calls, self._real = 0.0, 0, bitmask.apply_grammar_masks_
 
-    def __enter__(self) -> MaskTimer:
+    def __enter__(self) -> MaskTimer:  # noqa: PYI034
         def timed(logits, seqs):
             t0 = time.perf_counter()
             self._real(logits, seqs)

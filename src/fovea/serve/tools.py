@@ -25,7 +25,7 @@ from fovea.serve import protocol
 from fovea.serve.generation import Format
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -200,7 +200,7 @@ class ToolFormat(Format):
         return [self.delta(rid, model, created, piece)]
 
     def on_finish(self, rid, model, created, finish_reason: str) -> list[dict]:
-        content, calls = parse_tool_calls(self.text)
+        _, calls = parse_tool_calls(self.text)  # (text around the calls was streamed before them)
         if not calls:  # no call after all: the held-back text is content
             rest = self.text[self.sent:]
             out = [self.delta(rid, model, created, rest)] if rest else []

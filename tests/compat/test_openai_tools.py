@@ -1,0 +1,104 @@
+"""Tool calling through the official openai client: a tiny random Qwen2.5-VL whose template is
+Qwen2.5's Hermes tool template (the grammar makes required and named calls valid whatever the
+weights), and the demo model, whose template has no tools, for the refusal."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from structured_helpers import user
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["paris", "rome"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast for a city.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "flip", "parameters": {
+             "type": "object", "properties": {"heads": {"type": "boolean"}}, "required": ["heads"],
+             "additionalProperties": False}}}]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def client(byte_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=byte_server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(client, **kw):
+    kw.setdefault("messages", user("What is the weather in Rome?", image=True))
+    return client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=kw.pop("max_tokens", 120),
+                                          **kw)
+
+
+def check_call(call, name: str | None = None) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name in PARAMS and (name is None or call.function.name == name)
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, PARAMS[call.function.name])
+    return arguments
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_required_makes_one_valid_call(client, seed):
+    reply = ask(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=seed)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    check_call(choice.message.tool_calls[0])
+
+
+def test_named_function_is_the_one_called(client):
+    reply = ask(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and calls
+    for call in calls:
+        check_call(call, "get_weather")
+
+
+def test_deprecated_functions_are_tools(client):
+    reply = ask(client, functions=[t["function"] for t in TOOLS], function_call={"name": "flip"})
+    assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["flip"]
+
+
+def test_streamed_calls(client):
+    stream = ask(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.content  # the call is not leaked as text
+            for delta in choice.delta.tool_calls or []:
+                calls[delta.index] = delta
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    check_call(calls[0])
+
+
+def test_tools_and_tool_turns_are_rendered(client):
+    base = ask(client, max_tokens=1).usage.prompt_tokens
+    with_tools = ask(client, tools=TOOLS, max_tokens=1).usage.prompt_tokens  # auto: the model chooses
+    disabled = ask(client, tools=TOOLS, tool_choice="none", max_tokens=1).usage.prompt_tokens
+    assert with_tools > base + 100 and disabled == base
+    turns = user("Weather?") + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                           "arguments": '{"city": "rome", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 24 C"}]
+    after = ask(client, messages=turns, tools=TOOLS, max_tokens=1).usage.prompt_tokens
+    # The call and its result are rendered (this tokenizer: one token per byte).
+    assert after >= with_tools + len('{"city": "rome", "days": 2}') + len("sunny, 24 C") - len("What is the weather in Rome?")
+
+
+def test_refusals(client, live_server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert caught.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+    assert caught.value.body["code"] == "conflicting_structured_outputs"
+    demo = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0)
+    for extra in ({"tools": TOOLS}, {"messages": [*user("hi"), {"role": "tool", "tool_call_id": "c", "content": "x"}]}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            demo.chat.completions.create(model="fovea-shapes", **{"messages": user("hi"), **extra})
+        assert caught.value.body["code"] == "tools_not_supported", caught.value.body

@@ -1,0 +1,57 @@
+"""serve/tools.py without a server: parsing calls, holding streamed text back, template checks."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from fovea.engine.request import FinishEvent
+from fovea.serve.tools import ToolFormat, ToolsNotSupported, check_template, parse_tool_calls
+from fovea.testing import random_qwen2_5_vl
+from fovea.testing.byte_level_model import TOOLS_TEMPLATE
+
+
+def test_parse_calls_and_text():
+    text = 'Let me look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n' \
+           '{"name": "g", "arguments": {}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("f", {"a": 1}),
+                                                                                                  ("g", {})]
+    assert parse_tool_calls("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
+    assert parse_tool_calls("plain") == ("plain", [])
+
+
+def test_stream_holds_back_a_possible_call():
+    fmt = ToolFormat()
+    pieces = ["Hi <", "tool", "_call>\n{\"name\": \"f\", ", "\"arguments\": {}}\n</tool_call>"]
+    sent = [c["choices"][0]["delta"].get("content") for p in pieces for c in fmt.on_text("r", "m", 0, p)]
+    assert sent == ["Hi "]  # "<" waited: it could begin a call, and did
+    *calls, last = fmt.on_finish("r", "m", 0, "stop")
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    assert calls[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "f"
+    plain = ToolFormat()
+    assert [c["choices"][0]["delta"]["content"] for c in plain.on_text("r", "m", 0, "a <to")] == ["a "]
+    *rest, end = plain.on_finish("r", "m", 0, "length")
+    assert rest[0]["choices"][0]["delta"]["content"] == "<to" and end["choices"][0]["finish_reason"] == "length"
+
+
+def test_response_has_tool_calls():
+    finish = FinishEvent("stop", '<tool_call>\n{"name": "f", "arguments": {"x": [1]}}\n</tool_call>', 3, 9, None, 0.1)
+    choice = ToolFormat().response("r", "m", finish, None)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"x": [1]}
+
+
+@pytest.mark.parametrize(("template", "ok"), [(TOOLS_TEMPLATE, True), (random_qwen2_5_vl.CHAT_TEMPLATE, False)])
+def test_template_check(template, ok):
+    """Qwen2.5-VL's own template renders no tools: refused."""
+    loaded = SimpleNamespace(processor=SimpleNamespace(chat_template=None), tokenizer=SimpleNamespace(
+        chat_template=template))
+    if ok:
+        check_template(loaded, "tools", "tools")
+    else:
+        with pytest.raises(ToolsNotSupported):
+            check_template(loaded, "tools", "tools")
