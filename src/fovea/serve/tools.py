@@ -200,12 +200,13 @@ class ToolFormat(Format):
         return [self.delta(rid, model, created, piece)]
 
     def on_finish(self, rid, model, created, finish_reason: str) -> list[dict]:
-        _, calls = parse_tool_calls(self.text)  # (text around the calls was streamed before them)
+        _, calls = parse_tool_calls(self.text)
         if not calls:  # no call after all: the held-back text is content
             rest = self.text[self.sent:]
             out = [self.delta(rid, model, created, rest)] if rest else []
             return [*out, self.delta(rid, model, created, "", finish_reason)]
-        out = []
+        tail = _CALL.sub("", self.text[self.sent:]).strip()  # text between or after the calls
+        out = [self.delta(rid, model, created, tail)] if tail else []
         for i, call in enumerate(calls):
             out.append(protocol.chat_chunk(rid, model, created, {"tool_calls": [{"index": i, **call}]}))
         out.append(self.delta(rid, model, created, "", "tool_calls" if finish_reason == "stop" else finish_reason))
