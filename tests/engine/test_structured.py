@@ -183,3 +183,17 @@ def test_a_compile_done_before_its_callback_does_not_deadlock(compiler, monkeypa
     worker.start()
     worker.join(timeout=10)
     assert outcome == ["compiled"] and compiler._lru[spec.key] == "compiled"
+
+
+def test_device_path_masks_only_its_rows(model, compiler):
+    """The CUDA path's staging (indices and compact masks into a batch-sized mask), run on CPU."""
+    from fovea.engine.structured.bitmask import apply_staged_
+
+    state = GrammarState(compiler.get_now(GrammarSpec("regex", "[0-9]+", "r")))
+    compact = torch.full(xgr.get_bitmask_shape(1, compiler.vocab_size), -1, dtype=torch.int32)
+    state.fill(compact, 0)
+    logits = torch.zeros(3, compiler.vocab_size)
+    apply_staged_(logits, compact, [2])
+    allowed = (~torch.isinf(logits[2])).nonzero().flatten().tolist()
+    assert allowed == sorted(model.tokenizer.convert_tokens_to_ids(list("0123456789")))  # the digit bytes
+    assert not torch.isinf(logits[:2]).any()  # the other rows are untouched

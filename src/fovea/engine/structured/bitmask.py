@@ -36,12 +36,19 @@ def apply_grammar_masks_(logits: torch.Tensor, seqs: Seq) -> None:
         # and its matcher refuses that token when it reaches the host, failing this sequence only.
         seqs[rows[k]].grammar.dead = True
         compact[k] = -1
-    if not on_cuda:
-        full = torch.empty((len(seqs), compact.shape[-1]), dtype=torch.int32)
-        full[rows] = compact
-        xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab, indices=rows)
+    if on_cuda:
+        apply_staged_(logits, compact, rows)
         return
+    full = torch.empty((len(seqs), compact.shape[-1]), dtype=torch.int32)
+    full[rows] = compact
+    xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab, indices=rows)
+
+
+def apply_staged_(logits: torch.Tensor, compact: torch.Tensor, rows: list[int]) -> None:
+    """The device path: ``compact`` (the structured rows' masks, on the host) and the row indices
+    cross without waiting for the running step, into a batch-sized mask on the logits' device
+    whose other rows are never read (the kernel masks only ``rows``)."""
     index = to_device(logits.device, [(rows, torch.int32)])[0]
-    full = torch.empty((len(seqs), compact.shape[-1]), dtype=torch.int32, device=logits.device)
+    full = torch.empty((logits.shape[0], compact.shape[-1]), dtype=torch.int32, device=logits.device)
     full.index_copy_(0, index.long(), compact.to(logits.device, non_blocking=True))
-    xgr.apply_token_bitmask_inplace(logits, full, vocab_size=vocab, indices=index)
+    xgr.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[-1], indices=index)
