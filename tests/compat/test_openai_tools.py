@@ -102,3 +102,12 @@ def test_refusals(client, live_server):
         with pytest.raises(openai.BadRequestError) as caught:
             demo.chat.completions.create(model="fovea-shapes", **{"messages": user("hi"), **extra})
         assert caught.value.body["code"] == "tools_not_supported", caught.value.body
+
+
+def test_auto_without_parallel_calls_makes_at_most_one(client):
+    for seed in range(2):
+        reply = ask(client, tools=TOOLS, parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=60)
+        calls = reply.choices[0].message.tool_calls or []
+        assert len(calls) <= 1
+        for call in calls:
+            check_call(call)

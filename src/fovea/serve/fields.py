@@ -100,8 +100,8 @@ FIELDS: tuple[Field, ...] = (
     Field("tool_choice", HONOURED, "`auto` (the model chooses), `required` or `{\"type\": \"function\", "
           "\"function\": {\"name\": ...}}` (enforced by a grammar), `none` (tools are not rendered)",
           frozenset({CHAT}), example="required"),
-    Field("parallel_tool_calls", HONOURED, "with `required`: false allows exactly one call, true (the default) "
-          "one or more", frozenset({CHAT}), example=False),
+    Field("parallel_tool_calls", HONOURED, "false: at most one call (exactly one with `required`), by grammar; "
+          "true (the default): any number", frozenset({CHAT}), example=False),
     Field("functions", HONOURED, "(deprecated) read as `tools`", frozenset({CHAT}), example=[{"name": "f"}]),
     Field("function_call", HONOURED, "(deprecated) read as `tool_choice`", frozenset({CHAT}), example="auto"),
     # Structured outputs (docs/structured-outputs.md): at most one of these per request.

@@ -132,9 +132,15 @@ def _call_tag(tool: dict[str, Any]) -> dict[str, Any]:
 
 def call_grammar(tools: ToolRequest) -> GrammarSpec | None:
     """For ``required`` and a named function: the answer is one call (or, with parallel calls,
-    one or more separated by newlines) and nothing else."""
+    one or more separated by newlines) and nothing else. For ``auto`` without parallel calls:
+    at most one call."""
     if tools.choice == "auto":
-        return None
+        if tools.parallel:
+            return None  # the model chooses freely
+        # At most one call: free text, and once a call begins it is valid and ends the answer.
+        fmt = {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": [_call_tag(t) for t in tools.tools],
+               "stop_after_first": True}
+        return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), "tool_choice")
     chosen = [t for t in tools.tools if tools.choice == "required" or t["function"]["name"] == tools.name]
     tags = [_call_tag(t) for t in chosen]
     if tools.parallel and tools.choice == "required":
