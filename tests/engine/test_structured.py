@@ -197,3 +197,20 @@ def test_device_path_masks_only_its_rows(model, compiler):
     allowed = (~torch.isinf(logits[2])).nonzero().flatten().tolist()
     assert allowed == sorted(model.tokenizer.convert_tokens_to_ids(list("0123456789")))  # the digit bytes
     assert not torch.isinf(logits[:2]).any()  # the other rows are untouched
+
+
+def test_many_rows_fill_in_parallel_as_one_by_one(model, compiler):
+    """From PARALLEL_FILL_ROWS rows on, xgrammar's batch fill: the same masks as row by row."""
+    from fovea.engine.structured import bitmask
+
+    grammar = compiler.get_now(GrammarSpec.json_schema(SCHEMA, "s"))
+    states = [GrammarState(grammar) for _ in range(bitmask.PARALLEL_FILL_ROWS + 2)]
+    for i, state in enumerate(states):  # each at a different point of its answer
+        for token in model.tokenizer.encode('{"kind": "cat", "n": 4'[:i + 1], add_special_tokens=False):
+            state.accept(token)
+    shape = xgr.get_bitmask_shape(len(states), compiler.vocab_size)
+    serial, parallel = torch.full(shape, -1, dtype=torch.int32), torch.full(shape, -1, dtype=torch.int32)
+    for k, state in enumerate(states):
+        state.fill(serial, k)
+    bitmask.fill_masks(states, parallel)
+    assert torch.equal(serial, parallel) and len({tuple(r.tolist()) for r in serial}) > 5

@@ -8,12 +8,29 @@ pinned memory, queued behind the step's forward like the rest of the step's inpu
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence as Seq
 
 import torch
 import xgrammar as xgr
 
 from fovea.engine.paged.staging import to_device
+
+PARALLEL_FILL_ROWS = 16  # from this many structured rows on, masks are filled on several threads
+_batch_matcher: xgr.BatchGrammarMatcher | None = None
+
+
+def fill_masks(states: list, compact: torch.Tensor) -> None:
+    """Row k of ``compact`` gets state k's next mask; many rows are filled by xgrammar's own
+    thread pool (its C++ threads, outside the GIL), a few one after another."""
+    global _batch_matcher
+    if len(states) < PARALLEL_FILL_ROWS:
+        for k, state in enumerate(states):
+            state.fill(compact, k)
+        return
+    if _batch_matcher is None:
+        _batch_matcher = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 2)))
+    _batch_matcher.batch_fill_next_token_bitmask([state.matcher for state in states], compact)
 
 
 def structured_rows(seqs: Seq) -> list[int]:
@@ -28,8 +45,7 @@ def apply_grammar_masks_(logits: torch.Tensor, seqs: Seq) -> None:
     vocab = logits.shape[-1]
     on_cuda = logits.device.type == "cuda"
     compact = torch.full(xgr.get_bitmask_shape(len(rows), vocab), -1, dtype=torch.int32, pin_memory=on_cuda)
-    for k, row in enumerate(rows):
-        seqs[row].grammar.fill(compact, k)
+    fill_masks([seqs[row].grammar for row in rows], compact)
     empty = (compact == 0).all(dim=-1)
     for k in empty.nonzero().flatten().tolist():
         # No token can go on. Raising here would fail the whole batch: the row samples unmasked
