@@ -99,6 +99,29 @@ def run_case(engine, prompt, grammar, batch: int, structured: int, tokens: int) 
             "sat_out": engine.scheduler.structured_waits - waits}
 
 
+def probe_7b_vocab() -> None:
+    """Host cost at Qwen2.5-VL-7B's vocabulary (152,064 rows, the random directories' word-level
+    tokenizer): TokenizerInfo, one compile, and one row's fill + accept per token."""
+    import xgrammar as xgr
+
+    from fovea.testing import random_qwen2_5_vl as qwen
+    tokenizer = qwen.build_tokenizer(qwen.ARCHITECTURES["qwen2.5-vl-7b"])
+    t0 = time.perf_counter()
+    grammars = GrammarCompiler(tokenizer, qwen.EMBEDDING_ROWS, [qwen.SPECIAL_IDS["<|im_end|>"]])
+    t1 = time.perf_counter()
+    grammar = grammars.get_now(GrammarSpec("regex", "[a-z]+", "probe"))
+    t2 = time.perf_counter()
+    matcher, mask = xgr.GrammarMatcher(grammar), xgr.allocate_token_bitmask(1, qwen.EMBEDDING_ROWS)
+    words = [tokenizer.convert_tokens_to_ids(w) for w in qwen.vocabulary(qwen.FIRST_SPECIAL)[8:108]]
+    t3 = time.perf_counter()
+    for token in words:
+        matcher.fill_next_token_bitmask(mask)
+        assert matcher.accept_token(token)
+    t4 = time.perf_counter()
+    print(f"152,064-row vocabulary: TokenizerInfo {t1 - t0:.2f} s, compile [a-z]+ {1e3 * (t2 - t1):.1f} ms, "
+          f"fill + accept {1e3 * (t4 - t3) / len(words):.3f} ms per row per token")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -109,7 +132,11 @@ def main() -> int:
     parser.add_argument("--overlap", nargs="+", default=["auto"], choices=["auto", "on", "off"],
                         help="overlap_steps (auto: the engine's default, on for CUDA models of real size)")
     parser.add_argument("--repeats", type=int, default=3, help="each case this many times; the best is shown")
+    parser.add_argument("--probe-7b-vocab", action="store_true", help="only the host-cost probe at 152k tokens")
     args = parser.parse_args()
+    if args.probe_7b_vocab:
+        probe_7b_vocab()
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, overlap in [(m, o) for m in args.model for o in args.overlap]:
