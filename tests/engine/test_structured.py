@@ -214,3 +214,10 @@ def test_many_rows_fill_in_parallel_as_one_by_one(model, compiler):
         state.fill(serial, k)
     bitmask.fill_masks(states, parallel)
     assert torch.equal(serial, parallel) and len({tuple(r.tolist()) for r in serial}) > 5
+
+
+def test_a_tokenizer_larger_than_the_lm_head_turns_structured_outputs_off(model, caplog):
+    from fovea.serve.structured import build_grammar_compiler
+
+    assert build_grammar_compiler(model, len(model.tokenizer) - 1) is None
+    assert "structured outputs are off" in caplog.text

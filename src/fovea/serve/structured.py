@@ -135,11 +135,17 @@ async def compile_request_grammar(state: Any, req: Any, added: GrammarSpec | Non
 
 
 def build_grammar_compiler(loaded: Any, vocab_size: int) -> Any:
-    """The model's grammar compiler, or None (logged) when xgrammar is not installed."""
+    """The model's grammar compiler, or None (logged) when xgrammar is not installed or cannot
+    read the tokenizer: structured requests are then refused (structured_outputs_unavailable)."""
     try:
         from fovea.engine.structured.compiler import GrammarCompiler
     except ImportError as exc:
         log.warning("structured outputs are off: xgrammar cannot be imported (%s)", exc)
         return None
     eos = sorted(t for t in loaded.eos_token_ids if isinstance(t, int) and t >= 0)
-    return GrammarCompiler(loaded.tokenizer, vocab_size, eos)
+    try:
+        return GrammarCompiler(loaded.tokenizer, vocab_size, eos)
+    except Exception as exc:  # noqa: BLE001 - a tokenizer xgrammar cannot read must not stop the server
+        log.warning("structured outputs are off: xgrammar cannot use this model's tokenizer (%s: %s)",
+                    type(exc).__name__, exc)
+        return None
