@@ -27,6 +27,7 @@ from fovea.serve.error_handlers import install_error_handlers
 from fovea.serve.images_api import make_images_router
 from fovea.serve.metrics import Metrics
 from fovea.serve.request_gate import RequestGate
+from fovea.serve.responses import make_responses_router
 from fovea.serve.state import ServerState
 from fovea.serve.tokenize import make_tokenize_router
 from fovea.serve.trailing_slash import StripTrailingSlash
@@ -212,6 +213,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     app.add_middleware(StripTrailingSlash)
     app.include_router(make_chat_router(state))
     app.include_router(make_completions_router(state))
+    app.include_router(make_responses_router(state))
     app.include_router(make_tokenize_router(state))
     app.include_router(make_images_router(state.store, settings.media))
     return app
