@@ -22,6 +22,11 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _stream_options(v: Any) -> bool:
+    return (isinstance(v, dict) and set(v) <= {"include_obfuscation", "include_usage"}
+            and v.get("include_obfuscation", False) is False and isinstance(v.get("include_usage", False), bool))
+
+
 def _field(name: str, status: str, note: str, **kw: Any) -> Field:
     return Field(name, status, note, ONLY, **kw)
 
@@ -61,8 +66,9 @@ FIELDS: tuple[Field, ...] = (
            example="alice"),
     _field("prompt_cache_key", NOOP, "any string: a routing hint for OpenAI's prompt cache; fovea's prefix "
            "caching needs none", example="k"),
-    _field("stream_options", NOOP, "only `{}` or `{\"include_obfuscation\": false}`, with `stream: true`: fovea "
-           "adds no obfuscation padding", values=lambda v: v in ({}, {"include_obfuscation": False}),
+    _field("stream_options", NOOP, "with `stream: true` only; `include_obfuscation` only `false` (fovea adds no "
+           "obfuscation padding); `include_usage` (not OpenAI's, sent by vLLM-style clients such as aiperf) any "
+           "boolean: the usage is always in `response.completed`; other keys are refused", values=_stream_options,
            example={"include_obfuscation": True}),
     _field("service_tier", NOOP, "only `\"auto\"` or `\"default\"`: fovea has one tier",
            values=lambda v: v in ("auto", "default"), example="flex"),
