@@ -137,6 +137,14 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
     async def completions(request: Request):
         return await proxy.one(request)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await proxy.responses(request)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(request: Request, response_id: str):
+        return await proxy.stored(request, response_id)
+
     @app.post("/generate")
     async def generate(request: Request):
         return await proxy.one(request)
