@@ -76,10 +76,10 @@ class ResponseStore:
             if entry is not None:
                 self._entries.move_to_end(response_id)
                 return entry
-        raise ResponseNotFound(f"no response {response_id!r} is stored on this server: fovea keeps a response "
-                               "only when it was created with store: true, in memory, and the least recently used "
-                               f"go first beyond {self.max_entries} responses or {self.max_bytes} bytes",
-                               param=param)
+        raise ResponseNotFound(f"no response {response_id!r} is stored on this server. fovea keeps a response only "
+                               "when it was created with store: true (its default is false, unlike OpenAI's), in "
+                               "memory, the least recently used going first beyond "
+                               f"{self.max_entries} responses or {self.max_bytes / 2**20:g} MiB", param=param)
 
     def delete(self, response_id: str) -> None:
         with self._lock:
