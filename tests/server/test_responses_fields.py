@@ -37,6 +37,7 @@ def user_input(url: str = URL, question: str = QUESTION) -> list:
 @pytest.fixture(scope="module")
 def http(live_server):
     with httpx.Client(base_url=live_server.base_url, timeout=120) as client:
+        client.fovea_state = live_server.app.state.fovea  # the checks that look at what reached the engine
         yield client
 
 
@@ -119,9 +120,31 @@ def _max_output_tokens(post, http):
     assert body["incomplete_details"] == {"reason": "max_output_tokens"} and body["max_output_tokens"] == 2
 
 
+def sampled_with(http, call) -> list:
+    """The engine's SamplingParams of each request ``call`` makes (the Responses API has no seed,
+    so what reaches the sampler is checked, and the sampler itself by the chat tests)."""
+    engine = http.fovea_state.engine
+    generate, seen = engine.generate, []
+
+    def spy(prompt, params, *args, **kwargs):
+        seen.append(params)
+        return generate(prompt, params, *args, **kwargs)
+
+    engine.generate = spy
+    try:
+        call()
+    finally:
+        engine.generate = generate
+    return seen
+
+
 def _temperature(post, http):
-    answers = {text_of(ok(post(temperature=2.0, max_output_tokens=8))) for _ in range(8)}
-    assert len(answers) > 1  # sampling at 2.0 is not the greedy answer every time
+    (params,) = sampled_with(http, lambda: ok(post(temperature=1.5, max_output_tokens=8)))
+    assert params.temperature == 1.5 and not params.greedy
+    (params,) = sampled_with(http, lambda: ok(post(temperature=0)))
+    assert params.greedy
+    body = ok(post(temperature=1.5, max_output_tokens=8))
+    assert body["temperature"] == 1.5
 
 
 def _top_p(post, http):
