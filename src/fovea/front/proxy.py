@@ -290,6 +290,8 @@ class Proxy:
 
 def _previous_response_id(body: bytes) -> str | None:
     """The body's previous_response_id, if it is a JSON object with one (the worker refuses the rest)."""
+    if b"previous_response_id" not in body:  # the usual case: no parse of a body of inline images
+        return None
     try:
         value = json.loads(body).get("previous_response_id")
     except (ValueError, AttributeError):
