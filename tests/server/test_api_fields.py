@@ -239,6 +239,7 @@ def _min_tokens(post, ep):
 def _fovea(post, ep):
     body = ok(post(ep, fovea={"grounding": True}, max_tokens=4))
     assert "image_dependent" in body["fovea"]["grounding"]
+    refused(post(ep, fovea={"grounding": True}, n=2), "n", code="invalid_request")  # it scores one answer
 
 
 HONOURED_CHECKS = {

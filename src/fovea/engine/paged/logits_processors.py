@@ -88,7 +88,7 @@ class Penalised:
 def apply_(logits: torch.Tensor, seqs: list[Sequence], counts: TokenCounts) -> Penalised | None:
     """Apply every row's logit bias, stop-token mask and penalties to ``logits`` ([rows, vocab]
     float32) in place; the penalised rows, whose sampled tokens must then be recorded."""
-    rows = [i for i, seq in enumerate(seqs) if seq.request.params.processed]
+    rows = [i for i, seq in enumerate(seqs) if seq.processed]
     if not rows:
         return None
     vocab = logits.shape[-1]
@@ -115,7 +115,8 @@ def apply_(logits: torch.Tensor, seqs: list[Sequence], counts: TokenCounts) -> P
         logits.index_put_((r, t), v, accumulate=True)
     if mask_rows:
         r, t = to_device(device, [(mask_rows, torch.long), (mask_ids, torch.long)])
-        logits.index_put_((r, t), torch.tensor(float("-inf"), device=device))
+        # torch.full is a fill kernel: a torch.tensor(value, device=...) would copy from the host and wait.
+        logits.index_put_((r, t), torch.full((len(mask_rows),), float("-inf"), device=device))
     if not penalised:
         return None
     chosen = [seqs[i].request.params for i in penalised]

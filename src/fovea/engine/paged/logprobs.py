@@ -38,7 +38,7 @@ class AskedLogprobs:
 
 def asked(logits: torch.Tensor, seqs: list[Sequence]) -> AskedLogprobs | None:
     """None when no row of the step asked for log-probabilities (nothing is computed)."""
-    rows = [i for i, seq in enumerate(seqs) if seq.request.params.logprobs is not None]
+    rows = [i for i, seq in enumerate(seqs) if seq.wants_logprobs]
     if not rows:
         return None
     device_rows = to_device(logits.device, [(rows, torch.long)])[0]

@@ -61,6 +61,9 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden] while prefilling
         self.generator = make_generator(request.params, device)
+        # Read per row every step: plain attributes, so rows without these options cost a read.
+        self.processed = request.params.processed  # logit bias, stop-token ids or penalties
+        self.wants_logprobs = request.params.logprobs is not None
         self.detok = IncrementalDetokenizer(tokenizer, request.params.stop)
         self.produced = 0  # sampled tokens that reached the host
         # Row of the queued step's sampled tokens that holds this sequence's next token, while
