@@ -23,7 +23,7 @@ from fovea.engine.paged import logprobs as token_logprobs
 from fovea.engine.paged.block_manager import BlockManager
 from fovea.engine.paged.config import PagedEngineConfig
 from fovea.engine.paged.in_flight import InFlight
-from fovea.engine.paged.logits_processors import TokenCounts
+from fovea.engine.paged.logits_processors import TokenCounts, penalty_slots
 from fovea.engine.paged.model_runner import ModelRunner
 from fovea.engine.paged.sampler import sample_on_device
 from fovea.engine.paged.scheduler import Scheduler, StepPlan
@@ -78,7 +78,7 @@ class PagedEngine:
         self._eos_ids = sorted(t for t in loaded.eos_token_ids if isinstance(t, int) and t >= 0)
         self.vocab_size = int(self.runner.llama.lm_head.shape[0])
         # Generated-token counts of penalised sequences, on the device (logits_processors.py).
-        self.token_counts = TokenCounts(self.vocab_size, loaded.device)
+        self.token_counts = TokenCounts(self.vocab_size, loaded.device, penalty_slots(self.config.max_num_seqs))
         self._dead: BaseException | None = None  # set when the worker thread dies
         self._in_flight: InFlight | None = None  # the launched step whose tokens are not read yet
         self.steps = 0

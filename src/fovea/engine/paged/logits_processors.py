@@ -22,14 +22,25 @@ from fovea.engine.paged.sequence import Sequence
 from fovea.engine.paged.staging import to_device
 
 
+def penalty_slots(max_num_seqs: int) -> int:
+    """The most sequences alive in the engine at once: ``max_num_seqs`` running and as many
+    waiting (the worker takes no more from its queue)."""
+    return 2 * max_num_seqs
+
+
+def token_counts_bytes(slots: int, vocab: int) -> int:
+    return slots * vocab * 5  # int32 counts + bool prompt mask
+
+
 class TokenCounts:
     """Per-sequence generated-token counts ([slots, vocab] int32) and prompt-token masks
     ([slots, vocab] bool) for penalised sequences. A sequence takes a slot when it is first
-    sampled and gives it back when it ends; the pool grows by doubling and never shrinks
-    (5 bytes x vocab per slot, as many slots as penalised sequences were alive at once)."""
+    sampled and gives it back when it ends; the pool grows by doubling up to ``max_slots``
+    (the memory plan's "penalty counts" line) and never shrinks. A server whose requests use
+    no penalties allocates none of it."""
 
-    def __init__(self, vocab: int, device: torch.device) -> None:
-        self.vocab, self.device = vocab, device
+    def __init__(self, vocab: int, device: torch.device, max_slots: int) -> None:
+        self.vocab, self.device, self.max_slots = vocab, device, max_slots
         self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
         self.in_prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
         self.slot_of: dict[int, int] = {}  # seq_id -> slot
@@ -62,7 +73,9 @@ class TokenCounts:
 
     def _grow(self) -> None:
         old = self.capacity
-        new = max(8, 2 * old)
+        new = min(max(8, 2 * old), self.max_slots)
+        if new <= old:
+            raise RuntimeError(f"more than {self.max_slots} penalised sequences alive at once")
         counts = torch.zeros(new, self.vocab, dtype=torch.int32, device=self.device)
         in_prompt = torch.zeros(new, self.vocab, dtype=torch.bool, device=self.device)
         counts[:old].copy_(self.counts)

@@ -33,6 +33,7 @@ import torch
 
 from fovea.engine.paged import triton_ops
 from fovea.engine.paged.kv_cache import KVCache, KVShape
+from fovea.engine.paged.logits_processors import penalty_slots, token_counts_bytes
 from fovea.engine.paged.memory_plan import (
     KVRequest,
     MemoryPlan,
@@ -99,6 +100,8 @@ class Planner:
             PlanLine("encoder cache", cfg.encoder_cache_bytes, "bound: image embeddings kept by content hash"),
             PlanLine("prompt embeddings", embed_bytes, f"bound: input embeddings of at most {r.max_prefill_tokens} "
                                                        "prompt tokens held while prefilling"),
+            PlanLine("penalty counts", token_counts_bytes(penalty_slots(cfg.max_num_seqs), r.llama.lm_head.shape[0]),
+                     f"bound: token counts of {penalty_slots(cfg.max_num_seqs)} penalised sequences, on first use"),
         ]
 
     def _weights(self) -> PlanLine:
