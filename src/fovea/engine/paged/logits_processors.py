@@ -94,8 +94,9 @@ class Penalised:
 
     def record(self, tokens: torch.Tensor) -> None:
         """Count the tokens just sampled (``tokens``: [rows of the step], on the device)."""
-        ones = torch.ones(self.rows.shape[0], dtype=torch.int32, device=tokens.device)
-        self.counts.counts.index_put_((self.slots, tokens[self.rows]), ones, accumulate=True)
+        # One (slot, token) pair per row, so a gather and a plain scatter do it (no accumulate).
+        at = (self.slots, tokens[self.rows])
+        self.counts.counts.index_put_(at, self.counts.counts[at] + 1)
 
 
 def apply_(logits: torch.Tensor, seqs: list[Sequence], counts: TokenCounts) -> Penalised | None:
@@ -125,7 +126,7 @@ def apply_(logits: torch.Tensor, seqs: list[Sequence], counts: TokenCounts) -> P
     device = logits.device
     if bias_rows:
         r, t, v = to_device(device, [(bias_rows, torch.long), (bias_ids, torch.long), (bias_values, torch.float32)])
-        logits.index_put_((r, t), v, accumulate=True)
+        logits.index_put_((r, t), logits[r, t] + v)  # (row, id) pairs are distinct: a bias is one per id
     if mask_rows:
         r, t = to_device(device, [(mask_rows, torch.long), (mask_ids, torch.long)])
         # torch.full is a fill kernel: a torch.tensor(value, device=...) would copy from the host and wait.
