@@ -154,6 +154,10 @@ def _logprobs(post, ep):
     assert len(chosen) == body["usage"]["completion_tokens"] - 1  # all but the end-of-sequence token
     assert all(lp <= 0 for lp in chosen) and max(chosen) > -1  # greedy: the likely tokens
     assert ok(post(ep, temperature=0))["choices"][0]["logprobs"] is None
+    # Each endpoint's own spelling only: chat takes a boolean, completions an integer 0..20.
+    refused(post(ep, logprobs=2 if ep == fields.CHAT else True), "logprobs", code="invalid_request")
+    if ep == fields.COMPLETIONS:
+        refused(post(ep, logprobs=21), "logprobs", code="invalid_request")
 
 
 def _top_logprobs(post, ep):

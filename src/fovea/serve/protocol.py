@@ -150,7 +150,8 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str]
     images: list[str] = Field(default_factory=list, description="fovea extension: image references")
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Strict: `true` (chat's spelling) is refused here rather than read as 1.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, strict=True)
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
