@@ -145,8 +145,9 @@ def sample_next_on_device(logits: torch.Tensor, params: SamplingParams,
 
 def truncate(probs: torch.Tensor, top_k: int, min_p: float) -> torch.Tensor:
     """``probs`` ([vocab]) with the tokens outside the top ``top_k`` and those below ``min_p``
-    times the largest probability set to 0 (vLLM's order: top-k, then min-p; the most likely
-    token always stays). The rest is left unnormalised: multinomial and top-p only need ratios."""
+    times the largest probability set to 0 (both keep a most-likely prefix, so their order does
+    not matter; the most likely token always stays), renormalised: top-p then reads the truncated
+    distribution, as in vLLM, which applies min-p before top-k and top-p."""
     if 0 < top_k < probs.shape[-1]:
         kth = torch.topk(probs, top_k).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
