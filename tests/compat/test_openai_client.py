@@ -62,7 +62,7 @@ def test_completions_and_their_stream(client):
     (lambda c: c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}]),
      openai.NotFoundError, 404, "model_not_found"),
     (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                         extra_body={"top_k": 5}),
+                                         extra_body={"frobnicate": 1}),
      openai.BadRequestError, 400, "unsupported_parameter"),
     (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]}]),

@@ -33,6 +33,11 @@ class EncoderCache:
         size = value.numel() * value.element_size()
         if size > self.max_bytes:
             return
+        if value.untyped_storage().nbytes() > size:
+            # A view of a larger block (a vision batch's output, an E/PD batch landed in one
+            # copy): caching the view would keep the whole block allocated while counting only
+            # the view's bytes. A compact copy holds what is counted.
+            value = value.clone()
         with self._lock:
             if key in self._entries:
                 return
