@@ -175,6 +175,10 @@ class LanguageModelSpec:
     lm_head: torch.nn.Module | None  # None: tied to embed_tokens
     config: Any  # the text config
     mrope_section: list[int] | None = None  # M-RoPE's frequencies per (t, h, w); None: 1-D RoPE
+    mrope_interleaved: bool = False  # Qwen3-VL: the rows' frequencies interleaved (T H W T H W ...)
+    # DeepStack (Qwen3-VL): the vision stage's rows carry, after the embedding, this many more
+    # [hidden] feature levels, added to the image positions after decoder layers 0, 1, ...
+    deepstack_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -241,7 +245,8 @@ class ModelAdapter(ABC):
     @abstractmethod
     def vision_forward(self, loaded: Any) -> Callable[[list[ImageInput]], list[torch.Tensor]]:
         """The eager vision stage: images (pixels on the model's device) -> each image's
-        [num_tokens, lm_hidden] rows in the model dtype."""
+        [num_tokens, lm_hidden] rows in the model dtype ([num_tokens, (1 + deepstack levels) *
+        lm_hidden] for DeepStack models: the embedding, then each level's features)."""
 
     def fixed_image_shape(self, config: Any) -> tuple[int, ...] | None:
         """The one pixel shape every image has (towers of a fixed resolution), else None."""
