@@ -7,6 +7,10 @@ over three decoder layers, q/k norms and interleaved M-RoPE sections.
 
 from __future__ import annotations
 
+import copy
+import importlib.util
+import os
+
 import httpx
 import pytest
 import torch
@@ -192,3 +196,40 @@ def test_the_canary_runs_on_this_family(qwen3):
 
     result = asyncio.run(main())
     assert not result.ok and result.reasons
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+def test_the_fused_forward_runs_qwen3_norms_mrope_and_deepstack(qwen3):
+    """The CUDA configuration (fused weights, Triton norm/rotary kernels) against the torch one on a
+    prefill with interleaved M-RoPE rows and DeepStack rows, then a decode step."""
+    from fovea.engine.paged.attention import AttnMeta, PrefillSpan, attention_backend
+    from fovea.engine.paged.kv_cache import KVCache
+
+    prompt = chat(qwen3, [noise(64, 90, 60)])
+    device = torch.device("cpu")
+    n = len(prompt.input_ids)
+    gen = torch.Generator().manual_seed(0)
+    image_rows = torch.tensor([i for i, t in enumerate(prompt.input_ids) if t == qwen3.image_token_id])
+    features = torch.randn((len(image_rows), 2, 64), generator=gen) * 0.5
+
+    def logits(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        llama = PagedLlama(qwen3.adapter.lm_spec(copy.deepcopy(qwen3.model)), 4096, attention_backend("torch"),
+                           fused=fused)
+        cache = KVCache(llama.kv_shape(16), 16, device)
+        blocks = torch.arange(16)
+        meta = AttnMeta(slot_mapping=torch.arange(n), prefills=[PrefillSpan(0, n, 0, blocks)])
+        with torch.inference_mode():
+            first = llama.forward(llama.embed_ids(torch.tensor(prompt.input_ids)), torch.tensor(prompt.positions),
+                                  meta, cache, torch.tensor([n - 1]), (image_rows, features)).float()
+            decode = AttnMeta(slot_mapping=torch.tensor([n]), num_decodes=1,
+                              block_tables=blocks.view(1, -1).to(torch.int32),
+                              context_lens=torch.tensor([n + 1], dtype=torch.int32))
+            second = llama.forward(llama.embed_ids(torch.tensor([5])), torch.tensor([n + prompt.position_delta]),
+                                   decode, cache).float()
+        return first, second
+
+    ref_first, ref_second = logits(False)
+    got_first, got_second = logits(True)
+    assert (got_first - ref_first).abs().max() < 1e-4 and (got_second - ref_second).abs().max() < 1e-4
