@@ -53,9 +53,9 @@ from fovea.models.base import (
 from fovea.models.qwen2_5_vl import (
     MAX_ASPECT,
     VIDEO_TOKEN,
+    Qwen2_5_VLAdapter,
     QwenCodec,
     QwenProcessor,
-    Qwen2_5_VLAdapter,
     mrope_positions,
     read_video_config,
 )
@@ -257,8 +257,8 @@ def vision_rows(out: Any) -> torch.Tensor:
 
 class Qwen3_VLAdapter(Qwen2_5_VLAdapter):
     family = Family("qwen3_vl", ("qwen3_vl",),
-                    ["Qwen3-VL: dynamic resolution at 16 px patches, DeepStack, Qwen3 language model with "
-                     "interleaved M-RoPE"])
+                    ["Qwen3-VL: dynamic resolution at 16 px patches, DeepStack, Qwen3 language model",
+                     "interleaved M-RoPE; videos as timestamped frame groups"])
 
     def model_class(self) -> type:
         return Qwen3VLForConditionalGeneration

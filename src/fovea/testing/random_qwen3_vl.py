@@ -22,10 +22,16 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
 
 from fovea.testing.random_llava import cli, write_weights
-from fovea.testing.random_qwen2_5_vl import FIRST_SPECIAL, SPECIAL_IDS as QWEN2_SPECIAL_IDS, vocabulary
+from fovea.testing.random_qwen2_5_vl import FIRST_SPECIAL, vocabulary
+from fovea.testing.random_qwen2_5_vl import SPECIAL_IDS as QWEN2_SPECIAL_IDS
 
 # Qwen3's tokenizer: Qwen2's special tokens, then the tool, fill-in-the-middle and thinking tokens.
 SPECIAL_IDS = {**QWEN2_SPECIAL_IDS, "<tool_call>": 151657, "</tool_call>": 151658, "<|fim_prefix|>": 151659,
