@@ -123,7 +123,12 @@ class Qwen3VideoRecipe:
     std: tuple[float, ...]
     rescale_factor: float
     token_id: int
-    sample_indices: Callable[..., list[int]] = sample_indices  # how fovea.media.video samples for this model
+
+    @staticmethod
+    def sample_indices(total: int, source_fps: float, fps: float, max_frames: int, min_frames: int = 4,
+                       temporal_patch_size: int = 2) -> list[int]:
+        """How fovea.media.video samples this model's frames (decode_video_bytes' ``sampler``)."""
+        return sample_indices(total, source_fps, fps, max_frames, min_frames, temporal_patch_size)
 
     @classmethod
     def read(cls, path: Path, image_processor: Any, config: Any) -> Qwen3VideoRecipe:
