@@ -233,3 +233,21 @@ def test_the_fused_forward_runs_qwen3_norms_mrope_and_deepstack(qwen3):
     ref_first, ref_second = logits(False)
     got_first, got_second = logits(True)
     assert (got_first - ref_first).abs().max() < 1e-4 and (got_second - ref_second).abs().max() < 1e-4
+
+
+def test_e_pd_hands_deepstack_rows_over_and_answers_as_agg(qwen3):
+    """An encode worker process (vision weights only) returns each image's embedding and DeepStack
+    levels; the PD side's answer is transformers' own."""
+    settings = ServerSettings(host="127.0.0.1", port=free_port(), device="cpu", dtype="float32", canary=False,
+                              topology="e_pd", encode_workers=1, encode_timeout_s=30.0)
+    live, server, thread = start_server(settings, qwen3)
+    image = noise(200, 120, 9)
+    try:
+        body = {"model": qwen3.name, "max_tokens": 5, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": "you are"}]}]}
+        reply = httpx.post(live.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        ref = reference_generate(qwen3, chat(qwen3, [image], "you are"), 5)
+        assert reply.json()["choices"][0]["message"]["content"] == qwen3.tokenizer.decode(ref)
+    finally:
+        stop_server(server, thread)
