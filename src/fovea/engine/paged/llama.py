@@ -306,11 +306,11 @@ class PagedLlama:
         x = triton_ops.add_rms_norm(hidden, self.layers[0].in_norm, self.eps)
         for index, w in enumerate(self.layers):
             qkv = linear(x, w.qkv, w.qkv_bias)
-            if w.q_norm is not None:  # Qwen3: normed in place before the rotary kernel reads them
-                q, k = self.head_norms(qkv[:, :q_end].view(tokens, heads, dim),
-                                       qkv[:, q_end:k_end].view(tokens, kv_heads, dim), w)
-                qkv[:, :q_end] = q.reshape(tokens, -1)
-                qkv[:, q_end:k_end] = k.reshape(tokens, -1)
+            if w.q_norm is not None:  # Qwen3: q and k heads normed in place before the rotary kernel
+                qkv[:, :q_end] = triton_ops.add_rms_norm(qkv[:, :q_end].reshape(-1, dim), w.q_norm,
+                                                         self.eps).view(tokens, -1)
+                qkv[:, q_end:k_end] = triton_ops.add_rms_norm(qkv[:, q_end:k_end].reshape(-1, dim), w.k_norm,
+                                                              self.eps).view(tokens, -1)
             k_cache, v_cache = cache.k[index], cache.v[index]
             triton_ops.rope_write_kv(qkv, positions, cos_table, sin_table, k_cache, v_cache, meta.slot_mapping,
                                      heads, kv_heads, dim)
