@@ -281,6 +281,16 @@ class ModelAdapter(ABC):
         videos with a token of their own)."""
         return list(prompt.input_ids)
 
+    def embeds_logits(self, model: torch.nn.Module, embeds: torch.Tensor, image_mask: torch.Tensor,
+                      rows: torch.Tensor, position_ids: torch.Tensor | None, keep: int) -> torch.Tensor:
+        """transformers' logits [1, keep, vocab] of the last ``keep`` positions of ``embeds`` ([1, T,
+        hidden] token embeddings) with the vision stage's ``rows`` at the ``image_mask`` ([T])
+        positions: the teacher-forced reference of per-request grounding."""
+        if rows.numel():
+            embeds[0, image_mask] = rows.to(embeds.dtype)
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        return model(inputs_embeds=embeds, logits_to_keep=keep, use_cache=False, **extra).logits
+
     def reference_inputs(self, prompt: EncodedPrompt, device: torch.device, image_token_id: int) -> dict[str, Any]:
         """transformers' own forward/generate inputs for ``prompt`` (the reference that tests,
         ``fovea doctor`` and grounding compare against), without input_ids."""
