@@ -256,7 +256,8 @@ class PagedLlama:
     def add_deepstack(hidden: torch.Tensor, deepstack: tuple[torch.Tensor, torch.Tensor] | None, layer: int) -> None:
         """DeepStack: ``hidden[rows] += features[:, layer]`` in place, as transformers'
         ``_deepstack_process`` (one add in the model dtype). ``deepstack`` is (rows [N], features
-        [N, levels, hidden]): the batch rows holding image tokens of a prefill; decode rows have none."""
+        [N, levels, hidden]): prefill rows of prompts with images (text rows carry zero features, an
+        exact no-op); decode rows are never among them."""
         if deepstack is not None and layer < deepstack[1].shape[1] and deepstack[0].numel():
             rows, features = deepstack
             hidden[rows] = hidden[rows] + features[:, layer]

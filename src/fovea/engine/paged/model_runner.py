@@ -251,11 +251,12 @@ class ModelRunner:
             if c.start < seq.prompt_len:
                 assert seq.prompt_embeds is not None, "prompt embeddings are filled at admission"
                 embeds = seq.prompt_embeds[c.start:min(c.end, seq.prompt_len)]
-                if embeds.shape[1] != hidden_width:  # DeepStack features at this chunk's image positions
-                    local = [i for i, image in enumerate(seq.image_of_pos[c.start:c.start + embeds.shape[0]])
-                             if image >= 0]
-                    deep_rows.extend(offset + i for i in local)
-                    deep_parts.append(embeds[local, hidden_width:])
+                if embeds.shape[1] != hidden_width:  # DeepStack features of this chunk's prompt rows
+                    if any(image >= 0 for image in seq.image_of_pos[c.start:c.start + embeds.shape[0]]):
+                        # The whole slice (its text rows' features are zeros, and x + 0 == x): no
+                        # device-side gather from a host index list, which would wait for the GPU.
+                        deep_rows.extend(range(offset, offset + embeds.shape[0]))
+                        deep_parts.append(embeds[:, hidden_width:])
                     embeds = embeds[:, :hidden_width]
                 overrides.append((offset, embeds))
             if c.sample:
