@@ -42,7 +42,8 @@ class ImageInput:
     num_tokens: int  # image-token positions it fills in the prompt
     hash: str  # content hash of what the model sees (the encoder- and prefix-cache key)
     grid: tuple[int, int, int] | None = None  # (t, h, w) in patches, for dynamic-resolution towers
-    # A video (Qwen2.5-VL): seconds of video per temporal patch (None: an image), and the token
+    # A video (Qwen2.5-VL): seconds of video per temporal patch (None: an image); for Qwen3-VL,
+    # whose items are a video's temporal patches one by one, that patch's timestamp. And the token
     # transformers marks its positions with. In the engine's token ids every vision position
     # carries the image token: its embedding is replaced by the tower's rows, so the id only
     # marks the slot; ``ModelAdapter.reference_ids`` restores the video token for transformers.
