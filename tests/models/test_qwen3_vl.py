@@ -95,13 +95,14 @@ def test_interleaved_mrope_tables_equal_transformers(qwen3):
     assert torch.allclose(cos[index], ref_cos[0], atol=1e-6) and torch.allclose(sin[index], ref_sin[0], atol=1e-6)
 
 
-def test_greedy_tokens_equal_transformers_generate(qwen3):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_greedy_tokens_equal_transformers_generate(qwen3, overlap):
     """Several images of different sizes per prompt through 24-token chunked prefill (chunks end
     inside image runs, so a chunk holds part of an image's DeepStack rows), with prefill chunks of
     one prompt beside decode rows of another in the same step."""
     prompts = [chat(qwen3, [noise(w, h, 10 + i), noise(h, w, 20 + i)], text)
                for i, ((w, h), text) in enumerate(zip(SIZES, ["you", "a helpful", "are you", "assistant", "a"]))]
-    engine = PagedEngine(qwen3, PagedEngineConfig(num_blocks=256, max_num_batched_tokens=24))
+    engine = PagedEngine(qwen3, PagedEngineConfig(num_blocks=256, max_num_batched_tokens=24, overlap_steps=overlap))
     mixed, split = [], []
     execute = engine.runner.execute
 
