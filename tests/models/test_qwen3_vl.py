@@ -265,3 +265,17 @@ def test_the_grounding_score_reference_carries_deepstack(qwen3):
     got = answer_logprobs(qwen3, ImageEncoder(qwen3, EncoderCache()), prompt, [5])
     ref = torch.log_softmax(reference_logits(qwen3, prompt), -1)
     assert got.shape == (1, ref.shape[0]) and (got[0] - ref).abs().max() < 1e-4
+
+
+def test_preempted_sequences_recompute_their_deepstack_rows(qwen3):
+    """A KV cache too small for every request at once: sequences are preempted and recomputed
+    (their prompt, DeepStack rows included, and the tokens they had generated); answers still
+    equal transformers'."""
+    prompts = [chat(qwen3, [noise(300, 200, 80 + i)], "you are") for i in range(3)]
+    need = max(len(p.input_ids) for p in prompts) + GREEDY.max_tokens
+    engine = PagedEngine(qwen3, PagedEngineConfig(num_blocks=-(-need // 16) * 2, max_num_batched_tokens=64))
+    results = run(engine, [(p, GREEDY) for p in prompts])
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, (tokens, _) in zip(prompts, results):
+        ref = reference_generate(qwen3, prompt, GREEDY.max_tokens)
+        assert ref and tokens[:len(ref)] == ref
