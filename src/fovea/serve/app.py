@@ -18,7 +18,7 @@ from fovea.engine.paged.config import VISION_BATCH
 from fovea.engine.paged.memory_plan import check_weights_fit
 from fovea.errors import FoveaError
 from fovea.guard.memory import estimate_weight_bytes
-from fovea.model.contract import check_contract
+from fovea.model.contract import check_contract, vision_row_width
 from fovea.model.loader import LoadedModel, default_model_dir, load_model, resolve_device, resolve_dtype
 from fovea.serve.body_limit import BodyLimitMiddleware
 from fovea.serve.chat import make_chat_router
@@ -89,7 +89,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                                        sum(p.numel() for p in loaded.model.parameters())).fused_vision
         pool = EncoderPool(loaded.path, workers=settings.encode_workers or 1, device=str(loaded.device),
                            dtype=str(loaded.dtype).removeprefix("torch."), model_id=contract.model_fingerprint,
-                           recipe_fingerprint=contract.recipe_fingerprint, hidden=contract.lm_hidden,
+                           recipe_fingerprint=contract.recipe_fingerprint, hidden=vision_row_width(loaded),
                            timeout_s=settings.encode_timeout_s or 60.0, ray_address=settings.ray_address,
                            batch_images=vision_batch, pd_device=str(loaded.device), fused_vision=bool(fused),
                            on_handoff=metrics.observe_handoff, encoder_addresses=list(settings.encode_addresses),

@@ -95,7 +95,9 @@ class Planner:
     def _caches(self) -> list[PlanLine]:
         """Lines that fill while serving: their bound, not their use."""
         r, cfg = self.runner, self.config
-        embed_bytes = r.max_prefill_tokens * r.llama.embed.shape[1] * r.llama.embed.element_size()
+        # DeepStack models hold each prompt position's feature levels beside its embedding.
+        width = r.llama.embed.shape[1] * (1 + r.llama.deepstack_layers)
+        embed_bytes = r.max_prefill_tokens * width * r.llama.embed.element_size()
         return [
             PlanLine("encoder cache", cfg.encoder_cache_bytes, "bound: image embeddings kept by content hash"),
             PlanLine("prompt embeddings", embed_bytes, f"bound: input embeddings of at most {r.max_prefill_tokens} "
