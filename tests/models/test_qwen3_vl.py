@@ -209,25 +209,28 @@ def test_the_fused_forward_runs_qwen3_norms_mrope_and_deepstack(qwen3):
     from fovea.engine.paged.kv_cache import KVCache
 
     prompt = chat(qwen3, [noise(64, 90, 60)])
-    device = torch.device("cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else the interpreter
     n = len(prompt.input_ids)
     gen = torch.Generator().manual_seed(0)
-    image_rows = torch.tensor([i for i, t in enumerate(prompt.input_ids) if t == qwen3.image_token_id])
-    features = torch.randn((len(image_rows), 2, 64), generator=gen) * 0.5
+    image_rows = torch.tensor([i for i, t in enumerate(prompt.input_ids) if t == qwen3.image_token_id],
+                              device=device)
+    features = (torch.randn((len(image_rows), 2, 64), generator=gen) * 0.5).to(device)
 
     def logits(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        llama = PagedLlama(qwen3.adapter.lm_spec(copy.deepcopy(qwen3.model)), 4096, attention_backend("torch"),
+        llama = PagedLlama(qwen3.adapter.lm_spec(copy.deepcopy(qwen3.model).to(device)), 4096, attention_backend("torch"),
                            fused=fused)
         cache = KVCache(llama.kv_shape(16), 16, device)
-        blocks = torch.arange(16)
-        meta = AttnMeta(slot_mapping=torch.arange(n), prefills=[PrefillSpan(0, n, 0, blocks)])
+        blocks = torch.arange(16, device=device)
+        meta = AttnMeta(slot_mapping=torch.arange(n, device=device), prefills=[PrefillSpan(0, n, 0, blocks)])
         with torch.inference_mode():
-            first = llama.forward(llama.embed_ids(torch.tensor(prompt.input_ids)), torch.tensor(prompt.positions),
-                                  meta, cache, torch.tensor([n - 1]), (image_rows, features)).float()
-            decode = AttnMeta(slot_mapping=torch.tensor([n]), num_decodes=1,
+            first = llama.forward(llama.embed_ids(torch.tensor(prompt.input_ids, device=device)),
+                                  torch.tensor(prompt.positions, device=device),
+                                  meta, cache, torch.tensor([n - 1], device=device), (image_rows, features)).float()
+            decode = AttnMeta(slot_mapping=torch.tensor([n], device=device), num_decodes=1,
                               block_tables=blocks.view(1, -1).to(torch.int32),
-                              context_lens=torch.tensor([n + 1], dtype=torch.int32))
-            second = llama.forward(llama.embed_ids(torch.tensor([5])), torch.tensor([n + prompt.position_delta]),
+                              context_lens=torch.tensor([n + 1], dtype=torch.int32, device=device))
+            second = llama.forward(llama.embed_ids(torch.tensor([5], device=device)),
+                                   torch.tensor([n + prompt.position_delta], device=device),
                                    decode, cache).float()
         return first, second
 

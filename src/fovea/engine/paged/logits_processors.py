@@ -63,7 +63,8 @@ class TokenCounts:
         self.in_prompt[slot].zero_()
         ids = sorted({t for t in seq.token_ids[:seq.prompt_len] if 0 <= t < self.vocab})
         if ids:
-            self.in_prompt[slot, to_device(self.device, [(ids, torch.long)])[0]] = True
+            # index_fill_ takes the value as a kernel argument; `[...] = True` would copy it from the host and wait.
+            self.in_prompt[slot].index_fill_(0, to_device(self.device, [(ids, torch.long)])[0], True)
         return slot
 
     def release(self, seq: Sequence) -> None:
