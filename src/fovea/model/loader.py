@@ -21,7 +21,8 @@ from fovea.models import ModelAdapter, PromptCodec, adapter_for, supported_model
 
 log = logging.getLogger("fovea.model")
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "fovea-shapes"
+# Package data: in a checkout a symlink to models/fovea-shapes, in an installed wheel the files themselves.
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model" / "fovea-shapes"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -57,7 +58,7 @@ class LoadedModel:
 
 
 def default_model_dir() -> Path:
-    """The shipped demo model: in the source checkout, else under the working directory."""
+    """The shipped demo model: inside the package (wheel or checkout), else under the working directory."""
     for candidate in (DEMO_MODEL_DIR, Path.cwd() / "models" / "fovea-shapes"):
         if (candidate / "config.json").is_file():
             return candidate

@@ -26,6 +26,7 @@ from fovea.serve.completions import make_completions_router
 from fovea.serve.error_handlers import install_error_handlers
 from fovea.serve.images_api import make_images_router
 from fovea.serve.metrics import Metrics
+from fovea.serve.playground_route import make_playground_router
 from fovea.serve.request_gate import RequestGate
 from fovea.serve.state import ServerState
 from fovea.serve.tokenize import make_tokenize_router
@@ -214,4 +215,5 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     app.include_router(make_completions_router(state))
     app.include_router(make_tokenize_router(state))
     app.include_router(make_images_router(state.store, settings.media))
+    app.include_router(make_playground_router())
     return app

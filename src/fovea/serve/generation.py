@@ -51,6 +51,23 @@ def sampling_params(state: ServerState, req: SamplingFields, prompt: EncodedProm
     )
 
 
+def timing_report(state: ServerState, prompt: EncodedPrompt, finish: FinishEvent) -> dict:
+    """``fovea.timing``: what this request's images cost the vision stage (engine/vision_timings.py)
+    and how fast its answer came."""
+    vision = state.engine.encoder_cache.timings.report(prompt) or {"encoder_ms": None, "images_encoded": 0,
+                                                                    "images_cached": 0}
+    decode_s = finish.total_s - (finish.first_token_s or 0.0)
+    rate = (finish.completion_tokens - 1) / decode_s if finish.completion_tokens > 1 and decode_s > 0 else None
+    first = None if finish.first_token_s is None else round(1000 * finish.first_token_s, 3)
+    return {**vision, "first_token_ms": first, "total_ms": round(1000 * finish.total_s, 3),
+            "completion_tokens": finish.completion_tokens,
+            "decode_tokens_per_s": None if rate is None else round(rate, 2)}
+
+
+def extension(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, finish: FinishEvent) -> dict:
+    return {"timing": timing_report(state, prompt, finish)} if req.fovea and req.fovea.timing else {}
+
+
 async def grounding_report(state: ServerState, prompt: EncodedPrompt, twin: EncodedPrompt | None,
                            answer: str) -> dict:
     if twin is None:
@@ -107,12 +124,14 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     twin = blank_twin if grounding else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, prompt, params, rid, include_usage, grounding, twin, fmt),
+        return StreamingResponse(_stream(state, req, prompt, params, rid, include_usage, grounding, twin, fmt),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     finish = await run_to_finish(state, prompt, params, rid)
-    extra = {"grounding": await grounding_report(state, prompt, twin, finish.text)} if grounding else None
-    return JSONResponse(fmt.response(rid, state.model_name, finish, extra))
+    extra = extension(state, req, prompt, finish)
+    if grounding:
+        extra["grounding"] = await grounding_report(state, prompt, twin, finish.text)
+    return JSONResponse(fmt.response(rid, state.model_name, finish, extra or None))
 
 
 def _sse(payload: dict | str) -> str:
@@ -120,7 +139,7 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def _stream(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
+async def _stream(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, params: SamplingParams, rid: str,
                   include_usage: bool, grounding: bool, twin: EncodedPrompt | None,
                   fmt: Format) -> AsyncIterator[str]:
     created, model = int(time.time()), state.model_name
@@ -134,8 +153,11 @@ async def _stream(state: ServerState, prompt: EncodedPrompt, params: SamplingPar
         elif isinstance(event, FinishEvent):
             state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
             last = fmt.delta(rid, model, created, "", event.finish_reason)
+            extra = extension(state, req, prompt, event)
             if grounding:
-                last["fovea"] = {"grounding": await grounding_report(state, prompt, twin, event.text)}
+                extra["grounding"] = await grounding_report(state, prompt, twin, event.text)
+            if extra:
+                last["fovea"] = extra
             yield _sse(last)
             if include_usage:
                 chunk = fmt.delta(rid, model, created, "")
