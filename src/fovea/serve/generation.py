@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -19,6 +20,8 @@ from fovea.model.prompt import EncodedPrompt
 from fovea.serve import protocol
 from fovea.serve.protocol import SamplingFields
 from fovea.serve.state import ServerState
+
+log = logging.getLogger("fovea.request")
 
 
 class EngineFailure(FoveaError):
@@ -62,6 +65,17 @@ def timing_report(state: ServerState, prompt: EncodedPrompt, finish: FinishEvent
     return {**vision, "first_token_ms": first, "total_ms": round(1000 * finish.total_s, 3),
             "completion_tokens": finish.completion_tokens,
             "decode_tokens_per_s": None if rate is None else round(rate, 2)}
+
+
+def log_finish(state: ServerState, prompt: EncodedPrompt, finish: FinishEvent, completion_id: str) -> None:
+    """The numbers the metrics observed for this request, on one line with its request id (fovea.logs)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    timing = timing_report(state, prompt, finish)
+    log.info("%s %s: %d prompt + %d completion tokens, first token %s ms, encoder %s ms", completion_id,
+             finish.finish_reason, finish.prompt_tokens, finish.completion_tokens, timing["first_token_ms"],
+             timing["encoder_ms"], extra={"completion_id": completion_id, "finish_reason": finish.finish_reason,
+                                          "prompt_tokens": finish.prompt_tokens, **timing})
 
 
 def extension(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, finish: FinishEvent) -> dict:
@@ -111,6 +125,7 @@ async def run_to_finish(state: ServerState, prompt: EncodedPrompt, params: Sampl
             raise failure(event.error)  # a 5xx (or the error's own status) with a JSON body
     assert finish is not None
     state.metrics.observe_finish(finish.first_token_s, finish.total_s, finish.completion_tokens)
+    log_finish(state, prompt, finish, rid)
     return finish
 
 
@@ -152,6 +167,7 @@ async def _stream(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
                 yield _sse(fmt.delta(rid, model, created, event.text))
         elif isinstance(event, FinishEvent):
             state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
+            log_finish(state, prompt, event, rid)
             last = fmt.delta(rid, model, created, "", event.finish_reason)
             extra = extension(state, req, prompt, event)
             if grounding:
