@@ -58,7 +58,7 @@ class VisionTimings:
             entry = self._entry(prompt)
             entry.cached += cached
             entry.unknown += unknown
-            if call is not None and not any(c is call for c in entry.calls):
+            if call is not None and not any(_same_call(c, call) for c in entry.calls):
                 entry.calls.append(call)
             entry.encoded += encoded
 
@@ -84,3 +84,11 @@ class VisionTimings:
             total = None
         return {"encoder_ms": None if total is None else round(total, 3),
                 "images_encoded": encoded, "images_cached": cached}
+
+
+def _same_call(a: Any, b: Any) -> bool:
+    """One vision call is the same object for every image it encoded (its ms float, or its pair of
+    CUDA events, compared event by event)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+    return a is b
