@@ -9,6 +9,7 @@ then a missing browser fails it.
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 from pathlib import Path
@@ -85,7 +86,16 @@ def test_playground_streams_a_grounded_answer_and_shows_refusals(browser, live_s
     assert not page.is_visible("#error")
     page.screenshot(path=str(artifacts / "playground-answer.png"), full_page=True)
 
-    # The same image again: the encoder cache answers and the page says so.
+    # The same image again, dropped this time: the encoder cache answers and the page says so.
+    page.evaluate("""(b64) => {
+        const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+        const dt = new DataTransfer();
+        dt.items.add(new File([bytes], "dropped.png", {type: "image/png"}));
+        document.getElementById("drop").dispatchEvent(
+            new DragEvent("drop", {dataTransfer: dt, bubbles: true, cancelable: true}));
+    }""", base64.b64encode(image.read_bytes()).decode())
+    page.wait_for_function("document.getElementById('file-info').textContent.includes('dropped.png')")
+    page.wait_for_function("document.getElementById('preview').src.startsWith('data:image/png')")
     page.click("#ask")
     page.wait_for_function("document.getElementById('encoder').textContent.includes('from the encoder cache')",
                            timeout=60_000)
