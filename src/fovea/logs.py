@@ -117,6 +117,9 @@ class RequestIdMiddleware:
                 rid = text if _CLIENT_ID.fullmatch(text) else None
                 break
         rid = rid or "req-" + uuid.uuid4().hex[:16]
+        # Downstream sees the id as if the client had sent it (a front forwards it to its PD worker).
+        scope["headers"] = [*(h for h in scope.get("headers") or () if h[0] != b"x-request-id"),
+                            (b"x-request-id", rid.encode())]
         token = REQUEST_ID.set(rid)
         started, status, error_body = time.perf_counter(), 500, bytearray()
 
@@ -124,7 +127,8 @@ class RequestIdMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                kept = [h for h in message.get("headers", []) if h[0].lower() != b"x-request-id"]  # a worker's copy
+                message["headers"] = [*kept, (b"x-request-id", rid.encode())]
             elif message["type"] == "http.response.body" and status >= 400 and len(error_body) < 16384:
                 error_body.extend(message.get("body", b""))
             await send(message)
