@@ -7,6 +7,8 @@ from collections import OrderedDict
 
 import torch
 
+from fovea.engine.vision_timings import VisionTimings
+
 
 class EncoderCache:
     """LRU over embedding tensors, bounded by bytes. Thread-safe; counts hits and misses."""
@@ -18,6 +20,7 @@ class EncoderCache:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.timings = VisionTimings()  # what encoding each cached image cost (fovea.timing in responses)
 
     def get(self, key: str) -> torch.Tensor | None:
         with self._lock:

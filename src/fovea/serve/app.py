@@ -18,6 +18,7 @@ from fovea.engine.paged.config import VISION_BATCH
 from fovea.engine.paged.memory_plan import check_weights_fit
 from fovea.errors import FoveaError
 from fovea.guard.memory import estimate_weight_bytes
+from fovea.logs import RequestIdMiddleware
 from fovea.model.contract import check_contract, vision_row_width
 from fovea.model.loader import LoadedModel, default_model_dir, load_model, resolve_device, resolve_dtype
 from fovea.serve.body_limit import BodyLimitMiddleware
@@ -26,6 +27,7 @@ from fovea.serve.completions import make_completions_router
 from fovea.serve.error_handlers import install_error_handlers
 from fovea.serve.images_api import make_images_router
 from fovea.serve.metrics import Metrics
+from fovea.serve.playground_route import make_playground_router
 from fovea.serve.request_gate import RequestGate
 from fovea.serve.responses import make_responses_router
 from fovea.serve.state import ServerState
@@ -211,9 +213,11 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(StripTrailingSlash)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every line and response of a request has its id
     app.include_router(make_chat_router(state))
     app.include_router(make_completions_router(state))
     app.include_router(make_responses_router(state))
     app.include_router(make_tokenize_router(state))
     app.include_router(make_images_router(state.store, settings.media))
+    app.include_router(make_playground_router())
     return app

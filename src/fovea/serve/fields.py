@@ -107,7 +107,8 @@ FIELDS: tuple[Field, ...] = (
     Field("ignore_eos", HONOURED, "vLLM extension: end-of-sequence does not end the answer", example=True),
     Field("min_tokens", HONOURED, "vLLM extension: no end-of-sequence or stop string before this many tokens",
           example=6),
-    Field("fovea", HONOURED, "fovea extension: `{\"grounding\": true}` adds a per-request grounding score",
+    Field("fovea", HONOURED, "fovea extension: `{\"grounding\": true}` adds a per-request grounding score, "
+          "`{\"timing\": true}` the request's encoder latency, time to first token and tokens/s",
           example={"grounding": True}),
     # Accepted where they change nothing.
     Field("user", NOOP, "any string: an end-user id for the caller's records, which by definition does not "

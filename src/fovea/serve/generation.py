@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from fovea.serve import protocol
 from fovea.serve.logprobs_format import LogprobFormatter
 from fovea.serve.protocol import SamplingFields
 from fovea.serve.state import ServerState
+
+log = logging.getLogger("fovea.request")
 
 
 class EngineFailure(FoveaError):
@@ -60,6 +63,34 @@ def sampling_params(state: ServerState, req: SamplingFields, prompt: EncodedProm
         stop_token_ids=list(req.stop_token_ids or []),
         logprobs=req.top_logprobs_wanted(),
     )
+
+
+def timing_report(state: ServerState, prompt: EncodedPrompt, finish: FinishEvent) -> dict:
+    """``fovea.timing``: what this request's images cost the vision stage (engine/vision_timings.py)
+    and how fast its answer came."""
+    vision = state.engine.encoder_cache.timings.report(prompt) or {"encoder_ms": None, "images_encoded": 0,
+                                                                    "images_cached": 0}
+    decode_s = finish.total_s - (finish.first_token_s or 0.0)
+    rate = (finish.completion_tokens - 1) / decode_s if finish.completion_tokens > 1 and decode_s > 0 else None
+    first = None if finish.first_token_s is None else round(1000 * finish.first_token_s, 3)
+    return {**vision, "first_token_ms": first, "total_ms": round(1000 * finish.total_s, 3),
+            "completion_tokens": finish.completion_tokens,
+            "decode_tokens_per_s": None if rate is None else round(rate, 2)}
+
+
+def log_finish(state: ServerState, prompt: EncodedPrompt, finish: FinishEvent, completion_id: str) -> None:
+    """The numbers the metrics observed for this request, on one line with its request id (fovea.logs)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    timing = timing_report(state, prompt, finish)
+    log.info("%s %s: %d prompt + %d completion tokens, first token %s ms, encoder %s ms", completion_id,
+             finish.finish_reason, finish.prompt_tokens, finish.completion_tokens, timing["first_token_ms"],
+             timing["encoder_ms"], extra={"completion_id": completion_id, "finish_reason": finish.finish_reason,
+                                          "prompt_tokens": finish.prompt_tokens, **timing})
+
+
+def extension(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, finish: FinishEvent) -> dict:
+    return {"timing": timing_report(state, prompt, finish)} if req.fovea and req.fovea.timing else {}
 
 
 async def grounding_report(state: ServerState, prompt: EncodedPrompt, twin: EncodedPrompt | None,
@@ -120,6 +151,7 @@ async def run_choices(state: ServerState, prompt: EncodedPrompt, params: Samplin
         elif isinstance(event, FinishEvent):
             finishes[event.index] = event
             state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
+            log_finish(state, prompt, event, rid)
         elif isinstance(event, ErrorEvent):
             raise failure(event.error)  # a 5xx (or the error's own status) with a JSON body
     assert len(finishes) == params.n
@@ -149,16 +181,18 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     twin = blank_twin if grounding else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, prompt, params, rid, include_usage, grounding, twin, fmt),
+        return StreamingResponse(_stream(state, req, prompt, params, rid, include_usage, grounding, twin, fmt),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     answers = await run_choices(state, prompt, params, rid)
     finishes = [a.finish for a in answers]
-    extra = {"grounding": await grounding_report(state, prompt, twin, finishes[0].text)} if grounding else None
+    extra = extension(state, req, prompt, finishes[0])
+    if grounding:
+        extra["grounding"] = await grounding_report(state, prompt, twin, finishes[0].text)
     choices = [fmt.choice(i, a.finish, None if params.logprobs is None else
                           LogprobFormatter(state.loaded.tokenizer, fmt.kind).format(a.logprobs))
                for i, a in enumerate(answers)]
-    return JSONResponse(fmt.response(rid, state.model_name, choices, total_usage(finishes), extra))
+    return JSONResponse(fmt.response(rid, state.model_name, choices, total_usage(finishes), extra or None))
 
 
 def _sse(payload: dict | str) -> str:
@@ -166,7 +200,7 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def _stream(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
+async def _stream(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, params: SamplingParams, rid: str,
                   include_usage: bool, grounding: bool, twin: EncodedPrompt | None,
                   fmt: Format) -> AsyncIterator[str]:
     """Each chunk names its choice; a chunk carries the log-probabilities of the token whose text
@@ -187,9 +221,13 @@ async def _stream(state: ServerState, prompt: EncodedPrompt, params: SamplingPar
                 yield _sse(fmt.delta(rid, model, created, event.text, index=event.index, logprobs=logprobs))
         elif isinstance(event, FinishEvent):
             state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
+            log_finish(state, prompt, event, rid)
             last = fmt.delta(rid, model, created, "", event.finish_reason, index=event.index)
+            extra = extension(state, req, prompt, event)
             if grounding:
-                last["fovea"] = {"grounding": await grounding_report(state, prompt, twin, event.text)}
+                extra["grounding"] = await grounding_report(state, prompt, twin, event.text)
+            if extra:
+                last["fovea"] = extra
             yield _sse(last)
             finishes.append(event)
             if include_usage and len(finishes) == params.n:

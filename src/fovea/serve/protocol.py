@@ -66,6 +66,7 @@ class FoveaOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     grounding: bool = False
+    timing: bool = False  # the response's fovea.timing: encoder latency, time to first token, tokens/s
 
 
 class SamplingFields(_Lenient):
