@@ -16,6 +16,9 @@ On a random-weight LLaVA-1.5-7B directory (fovea.testing.random_llava), in one r
   is killed once the prefill/decode worker holds most of the GPU, so the one that serves was
   started (and planned) on a GPU another process mostly fills. Its peak memory is read from
   torch (its own report) and from nvidia-smi (the process, CUDA context included).
+- pd_workers: `fovea serve --topology e_pd --encode-workers 1 --pd-workers 2`, the front and two
+  PD workers on the one GPU (each with --pd-kv-memory of KV cache, so both fit), the same
+  requests; its /health must list both PD workers ready and both must have served requests.
 Every request is checked (finish_reason "length", 128 tokens, [DONE]). Exit status 1 when a
 request failed, the refusal was not clean, or a phase could not run; goals missed (throughput
 within 10% of agg, hand-off under 1 ms per image, the worker's peak at most 1.2 GB) are
@@ -214,6 +217,27 @@ def serve_e_pd(model_dir: Path, args, results: dict) -> None:
         server.stop()
 
 
+def serve_pd_workers(model_dir: Path, args, results: dict) -> None:
+    server = Server(model_dir, args.out, "pd_workers", "--topology", "e_pd", "--encode-workers", "1",
+                    "--pd-workers", "2", "--kv-cache-memory", args.pd_kv_memory,
+                    "--vision-batch-size", str(args.vision_batch), device=args.device)
+    try:
+        log(f"pd_workers ready in {server.wait_ready():.1f} s")
+        r = measure_server(server, args)
+        workers = health(server).get("pd_workers", [])
+        served: dict[str, float] = {}  # PD worker -> requests the front routed to it
+        for line in httpx.get(server.url + "/metrics").text.splitlines():
+            if line.startswith("fovea_front_routed_total{"):
+                worker = line.split('pd_worker="')[1].split('"')[0]
+                served[worker] = served.get(worker, 0.0) + float(line.split()[-1])
+        r["pd_workers"] = workers
+        r["requests_by_worker"] = served
+        log(f"pd_workers: {[(w.get('index'), w.get('state')) for w in workers]}, requests {served}")
+        results["pd_workers"] = r
+    finally:
+        server.stop()
+
+
 def table(results: dict) -> str:
     rows = ["", "| what | agg | e_pd | goal |", "|---|---|---|---|"]
     agg, epd = results.get("agg"), results.get("e_pd")
@@ -233,6 +257,13 @@ def table(results: dict) -> str:
         rows.append(f"| hand-off in serving (mean per image, {epd['handoff_images']:.0f} images) | - | "
                     f"{epd['handoff_mean_ms_per_image']:.3f} ms ("
                     + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()) + ") | under 1 ms |")
+    pdw = results.get("pd_workers")
+    if pdw and agg:
+        b = pdw["median_burst"]
+        a_tok = agg["median_burst"]["tokens"] / agg["median_burst"]["wall_s"]
+        rows.append(f"| --pd-workers 2 (one GPU): burst tok/s, TTFT p50/p99, failed | {a_tok:.0f} tok/s | "
+                    f"{b['tokens'] / b['wall_s']:.0f} tok/s, {b['ttft_p50_ms']:.0f} / {b['ttft_p99_ms']:.0f} ms, "
+                    f"{pdw['failed']} failed | 0 failed |")
     h = results.get("handoff")
     if h:
         for size, b in h["batches"].items():
@@ -257,6 +288,7 @@ def main() -> int:
     parser.add_argument("--singles", type=int, default=5)
     parser.add_argument("--vision-batch", type=int, default=32)
     parser.add_argument("--handoff-reps", type=int, default=7)
+    parser.add_argument("--pd-kv-memory", default="24GiB", help="pd_workers: each PD worker's KV cache")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     phases = args.phases.split(",")
@@ -268,7 +300,8 @@ def main() -> int:
         write_model_dir(args.model_dir, args.arch, "cuda" if cuda else "cpu")
         log(f"wrote {args.arch} to {args.model_dir} in {time.perf_counter() - started:.1f} s")
     problems = []
-    for phase, run in (("handoff", handoff), ("refuse", refuse), ("agg", serve_agg), ("e_pd", serve_e_pd)):
+    for phase, run in (("handoff", handoff), ("refuse", refuse), ("agg", serve_agg), ("e_pd", serve_e_pd),
+                       ("pd_workers", serve_pd_workers)):
         if phase not in phases or (phase == "refuse" and not cuda):
             continue
         try:
@@ -277,7 +310,13 @@ def main() -> int:
             problems.append(f"{phase} could not run: {type(exc).__name__}: {exc}")
             log(problems[-1])
         (args.out / "gpu_e_pd.json").write_text(json.dumps(results, indent=2, default=str))
-    for name in ("agg", "e_pd"):
+    if "pd_workers" in results:
+        workers = results["pd_workers"]["pd_workers"]
+        if len(workers) != 2 or any(w.get("state") != "ready" for w in workers):
+            problems.append(f"pd_workers: not both PD workers ready: {workers}")
+        if sorted(k for k, v in results["pd_workers"]["requests_by_worker"].items() if v > 0) != ["0", "1"]:
+            problems.append(f"pd_workers: not both PD workers served: {results['pd_workers']['requests_by_worker']}")
+    for name in ("agg", "e_pd", "pd_workers"):
         if name in results and results[name]["failed"]:
             problems.append(f"{name}: {results[name]['failed']} requests failed")
     if "refuse" in results and not results["refuse"]["refused_cleanly"]:

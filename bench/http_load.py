@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import httpx
 
 from fovea.demo import scenes
+from fovea.progress import progress
 
 QUESTIONS = {"caption": "Describe the image.", "count": "How many shapes are there?"}
 
@@ -95,13 +96,15 @@ async def run_phase(url: str, model: str, concurrency: int, n: int, mix: list[st
     samples: list[Sample] = []
 
     async with httpx.AsyncClient(timeout=300) as client:
-        async def worker() -> None:
-            while not queue.empty():
-                body, expected = queue.get_nowait()
-                samples.append(await one_request(client, url, body, expected, headers))
-
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        with progress(total=n, desc=f"concurrency {concurrency}", unit="req") as bar:
+            async def counted() -> None:
+                while not queue.empty():
+                    body, expected = queue.get_nowait()
+                    samples.append(await one_request(client, url, body, expected, headers))
+                    bar.update()
+
+            await asyncio.gather(*(counted() for _ in range(concurrency)))
         return samples, time.perf_counter() - started
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from scene_helpers import LiveServer, free_port, start_server, stop_server
+from scene_helpers import TEST_DEVICE, LiveServer, free_port, start_server, stop_server
 
 from fovea.config import ServerSettings
 from fovea.model.loader import LoadedModel, load_model
@@ -13,12 +13,12 @@ from fovea.model.loader import LoadedModel, load_model
 
 @pytest.fixture(scope="session")
 def demo_model() -> LoadedModel:
-    return load_model(None, device="cpu", dtype="float32")
+    return load_model(None, device=TEST_DEVICE, dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def live_server(demo_model: LoadedModel) -> Iterator[LiveServer]:
-    settings = ServerSettings(host="127.0.0.1", port=free_port(), device="cpu", dtype="float32",
+    settings = ServerSettings(host="127.0.0.1", port=free_port(), device=TEST_DEVICE, dtype="float32",
                               canary_interval_s=0)
     live, server, thread = start_server(settings, demo_model)
     yield live

@@ -7,6 +7,7 @@ import base64
 import contextlib
 import http.server
 import io
+import os
 import random
 import socket
 import threading
@@ -20,6 +21,10 @@ from fovea.config import ServerSettings
 from fovea.demo import scenes
 from fovea.engine.request import FinishEvent, TokenEvent
 from fovea.model.loader import LoadedModel
+
+# Where the shared demo model and the servers built on it run: CPU in CI; FOVEA_TEST_DEVICE=cuda
+# runs the same HTTP tests on a GPU (the lead's GPU runs use it for the client-compatibility suite).
+TEST_DEVICE = os.environ.get("FOVEA_TEST_DEVICE", "cpu")
 
 
 def data_url(image: Image.Image, fmt: str = "PNG") -> str:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 
 from fovea.cli_types import byte_size, fraction, port, positive_int
 from fovea.errors import FoveaError
+from fovea.logs import FORMATS, LEVELS
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,11 @@ def _memory_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fovea", description="Serve vision-language models; never ignore the image.")
-    parser.add_argument("--log-level", default=os.environ.get("FOVEA_LOG_LEVEL", "info"))
+    parser.add_argument("--log-level", type=str.lower, choices=LEVELS, default=os.environ.get("FOVEA_LOG_LEVEL", "info"),
+                        help="(env FOVEA_LOG_LEVEL; put it before the command: fovea --log-level debug serve)")
+    parser.add_argument("--log-format", choices=FORMATS, default=os.environ.get("FOVEA_LOG_FORMAT", "text"),
+                        help="text, or json: one object a line with request_id on every line a request causes "
+                             "(env FOVEA_LOG_FORMAT; docs/operations.md)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -180,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = build_parser().parse_args(argv)
     who = f"pd-worker-{args.internal_pd_worker} " if getattr(args, "internal_pd_worker", None) is not None else ""
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
+    from fovea.logs import configure
+
+    os.environ["FOVEA_LOG_FORMAT"] = args.log_format  # PD workers and encode workers log the same way
+    configure(args.log_level, args.log_format, who.strip() or None)
     try:
         if args.command == "serve":
             return serve(args, argv)
@@ -261,7 +268,9 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     # Python's default 5 ms switch interval.
     sys.setswitchinterval(float(os.environ.get("FOVEA_SWITCH_INTERVAL_MS", "1")) / 1000)
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level.lower(), **uvicorn_options())
+    # log_config=None: keep fovea's handlers (fovea.logs), which carry the request ids.
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level.lower(), log_config=None,
+                **uvicorn_options())
     return 0
 
 

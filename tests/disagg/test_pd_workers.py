@@ -196,6 +196,40 @@ def test_the_api_key_guards_the_front_and_the_workers_ports(front):
         assert httpx.get(direct, headers=AUTH, timeout=30).status_code == 401
 
 
+def test_stored_responses_are_found_on_the_worker_that_holds_them(front):
+    url = data_url(scenes.render(fresh_scene(81_500)))
+    body = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                                   {"type": "input_text", "text": QUESTION}]}],
+            "store": True, "temperature": 0}
+
+    async def create(n: int) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=front.base, headers=AUTH, timeout=300) as client:
+            return await asyncio.gather(*(client.post("/v1/responses", json=body) for _ in range(n)))
+
+    made = asyncio.run(create(8))
+    assert [r.status_code for r in made] == [200] * 8, made[0].text
+    assert {r.headers[WORKER] for r in made} == {"0", "1"}  # both workers hold some
+    with httpx.Client(base_url=front.base, headers=AUTH, timeout=120) as http:
+        for reply in made:
+            rid, holder = reply.json()["id"], reply.headers[WORKER]
+            got = http.get(f"/v1/responses/{rid}")
+            assert got.status_code == 200 and got.json() == reply.json() and got.headers[WORKER] == holder
+            follow = http.post("/v1/responses", json={"input": "How many shapes are there?",
+                                                      "previous_response_id": rid, "store": True})
+            assert follow.status_code == 200 and follow.headers[WORKER] == holder, follow.text
+            assert follow.json()["usage"]["input_tokens"] > reply.json()["usage"]["input_tokens"]
+        rid = made[0].json()["id"]
+        assert http.delete(f"/v1/responses/{rid}").json()["deleted"] is True
+        for _ in range(2):
+            gone = http.get(f"/v1/responses/{rid}")
+            assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+        missing = http.post("/v1/responses", json={"input": "hi", "previous_response_id": rid})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "previous_response_id"
+        streamed = http.post("/v1/responses", json={**body, "stream": True, "store": False})
+        kinds = [line[7:] for line in streamed.text.splitlines() if line.startswith("event: ")]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+
+
 # ---- faults ---------------------------------------------------------------------------------
 def _events(lines: list[str]) -> list:
     return [line.removeprefix("data: ") if line == "data: [DONE]" else json.loads(line.removeprefix("data: "))

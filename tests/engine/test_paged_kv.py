@@ -29,7 +29,8 @@ def test_cpu_uses_a_byte_budget_never_the_machines_memory(demo_model):
     assert default.kv_blocks == 256 * MiB // per_block and default.budget_bytes is None
     assert plan(kv_cache_memory=MiB).kv_blocks == MiB // per_block
     assert plan(num_blocks=5).kv_blocks == 5
-    assert {line.name for line in default.lines} == {"weights", "kv_cache", "encoder cache", "prompt embeddings"}
+    assert {line.name for line in default.lines} == {"weights", "kv_cache", "encoder cache", "prompt embeddings",
+                                                  "penalty counts"}
     with pytest.raises(MemoryPlanError, match="holds no KV block"):
         plan(kv_cache_memory=1024)
 

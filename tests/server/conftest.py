@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from scene_helpers import LiveServer, free_port, start_server, stop_server
+from scene_helpers import TEST_DEVICE, LiveServer, free_port, start_server, stop_server
 
 from fovea.config import ServerSettings
 from fovea.media import MediaConfig
@@ -34,7 +34,7 @@ def make_server(demo_model) -> Iterator[Callable[..., LiveServer]]:
     running = []
 
     def make(media: MediaConfig | None = None, **fields) -> LiveServer:
-        settings = ServerSettings(host="127.0.0.1", port=free_port(), device="cpu", dtype="float32",
+        settings = ServerSettings(host="127.0.0.1", port=free_port(), device=TEST_DEVICE, dtype="float32",
                                   canary=False, media=media or MediaConfig(), **fields)
         live, server, thread = start_server(settings, demo_model)
         running.append((server, thread))

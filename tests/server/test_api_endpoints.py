@@ -91,8 +91,8 @@ def test_stream_options_without_stream_is_refused(client):
 
 def test_unsupported_parameter_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="fovea-shapes", messages=MESSAGES, logprobs=True, top_logprobs=2)
-    assert info.value.body["code"] == "unsupported_parameter" and info.value.body["param"] == "logprobs"
+        client.chat.completions.create(model="fovea-shapes", messages=MESSAGES, modalities=["text", "audio"])
+    assert info.value.body["code"] == "unsupported_parameter" and info.value.body["param"] == "modalities"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="fovea-shapes", prompt="hello", echo=True)
     assert info.value.body["code"] == "unsupported_parameter" and info.value.body["param"] == "echo"
@@ -102,7 +102,8 @@ def test_unsupported_parameter_through_the_client(client):
 
 
 @pytest.mark.parametrize(("extra", "param"), [({"stream": True}, "stream"), ({"fovea": {"grounding": True}}, "fovea"),
-                                              ({"user": "alice"}, "user"), ({"n": 2}, "n"), ({"frobnicate": 1}, "frobnicate")])
+                                              ({"user": "alice"}, "user"), ({"logprobs": 2}, "logprobs"),
+                                              ({"frobnicate": 1}, "frobnicate")])
 def test_generate_refuses_what_it_does_not_do(http, assert_error, extra, param):
     assert_error(http.post("/generate", json={"prompt": "hello", **extra}), 400, "unsupported_parameter", param)
 
@@ -111,3 +112,7 @@ def test_generate_honours_its_fields(http):
     body = http.post("/generate", json={"prompt": "Describe the image.", "image": URL, "max_tokens": 2,
                                         "temperature": 0, "n": 1}).json()
     assert body["usage"]["completion_tokens"] == 2 and body["finish_reason"] == "length"
+    many = http.post("/generate", json={"prompt": "Describe the image.", "image": URL, "max_tokens": 2,
+                                        "temperature": 0, "n": 2}).json()
+    assert [c["index"] for c in many["choices"]] == [0, 1] and many["usage"]["completion_tokens"] == 4
+    assert all(c["text"] == body["text"] for c in many["choices"]) and many["text"] == body["text"]

@@ -4,14 +4,17 @@ its default: honoured fields are shown to take effect, the others are refused wi
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import httpx
 import pytest
+import transformers
 from scene_helpers import data_url, fresh_scene
 
 from fovea.demo import scenes
+from fovea.model.loader import default_model_dir
 from fovea.serve import fields
 
 SCENE = fresh_scene(5000, min_shapes=2)
@@ -23,8 +26,6 @@ ENDPOINTS = [fields.CHAT, fields.COMPLETIONS]
 # Values that change nothing, which no-op fields must accept (the table says which values pass).
 NOOP_VALUES = {
     "user": "alice", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
-    "logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0, "top_k": -1, "min_p": 0, "logit_bias": {}, "stop_token_ids": [],
     "modalities": ["text"], "echo": False, "best_of": 1, "suffix": "",
 }
 
@@ -125,8 +126,105 @@ def _stream_options(post, ep):
 
 
 def _n(post, ep):
-    ok(post(ep, n=1))
-    refused(post(ep, n=2), "n")
+    one = ok(post(ep, temperature=0))
+    body = ok(post(ep, temperature=0, n=3))
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2] and {text_of({"choices": [c]}) for c in body["choices"]} \
+        == {ANSWER}
+    assert body["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == 3 * one["usage"]["completion_tokens"]
+    seeded = [[text_of({"choices": [c]}) for c in ok(post(ep, temperature=2.0, seed=5, n=3, max_tokens=8))["choices"]]
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]  # each choice reproducible
+    assert seeded[0][0] == text_of(ok(post(ep, temperature=2.0, seed=5, max_tokens=8)))  # choice 0 is seed's answer
+    refused(post(ep, n=129), "n", code="invalid_request")
+
+
+def _entries(body: dict) -> tuple[list[float], list]:
+    """(sampled tokens' logprobs, their alternatives) in either endpoint's shape."""
+    lp = body["choices"][0]["logprobs"]
+    if "content" in lp:
+        return [e["logprob"] for e in lp["content"]], [e["top_logprobs"] for e in lp["content"]]
+    return lp["token_logprobs"], lp["top_logprobs"]
+
+
+def _logprobs(post, ep):
+    body = ok(post(ep, temperature=0, logprobs=True if ep == fields.CHAT else 2))
+    chosen, _ = _entries(body)
+    assert len(chosen) == body["usage"]["completion_tokens"] - 1  # all but the end-of-sequence token
+    assert all(lp <= 0 for lp in chosen) and max(chosen) > -1  # greedy: the likely tokens
+    assert ok(post(ep, temperature=0))["choices"][0]["logprobs"] is None
+    # Each endpoint's own spelling only: chat takes a boolean, completions an integer 0..20.
+    refused(post(ep, logprobs=2 if ep == fields.CHAT else True), "logprobs", code="invalid_request")
+    if ep == fields.COMPLETIONS:
+        refused(post(ep, logprobs=21), "logprobs", code="invalid_request")
+
+
+def _top_logprobs(post, ep):
+    body = ok(post(ep, temperature=0, logprobs=True, top_logprobs=3))
+    chosen, tops = _entries(body)
+    for lp, top in zip(chosen, tops):
+        values = [t["logprob"] for t in top]
+        assert len(top) == 3 and values == sorted(values, reverse=True) and values[0] == lp  # greedy: the top one
+    refused(post(ep, logprobs=True, top_logprobs=21), "top_logprobs", code="invalid_request")
+    refused(post(ep, top_logprobs=2), "top_logprobs", code="invalid_request")
+
+
+def _changes_sampling(post, ep, **penalty):
+    """Seeded sampling at temperature 2 over 24 tokens gives another answer with the penalty, for some seed."""
+    def answers(**extra):
+        return [text_of(ok(post(ep, temperature=2.0, seed=s, max_tokens=24, ignore_eos=True, **extra)))
+                for s in range(4)]
+    assert answers(**penalty) != answers()
+
+
+def _presence_penalty(post, ep):
+    _changes_sampling(post, ep, presence_penalty=2.0)
+    refused(post(ep, presence_penalty=2.5), "presence_penalty", code="invalid_request")
+
+
+def _frequency_penalty(post, ep):
+    _changes_sampling(post, ep, frequency_penalty=2.0)
+    refused(post(ep, frequency_penalty=-3), "frequency_penalty", code="invalid_request")
+
+
+def _repetition_penalty(post, ep):
+    assert text_of(ok(post(ep, temperature=0, repetition_penalty=50.0))) != ANSWER
+    refused(post(ep, repetition_penalty=0), "repetition_penalty", code="invalid_request")
+
+
+@functools.cache
+def _tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(default_model_dir())
+
+
+def _logit_bias(post, ep):
+    red = _tokenizer().convert_tokens_to_ids("red")
+    body = ok(post(ep, temperature=0, max_tokens=3, logit_bias={str(red): 100}))
+    assert text_of(body) == "red red red"
+    refused(post(ep, logit_bias={"100000": 1}), "logit_bias", code="invalid_request")
+    refused(post(ep, logit_bias={"7": 101}), "logit_bias[7]", code="invalid_request")
+
+
+def _stop_token_ids(post, ep):
+    # The greedy answer's third word as a stop token: the answer is its first two words, the
+    # stop token counted but not in the text.
+    third = _tokenizer().convert_tokens_to_ids(ANSWER.split()[2])
+    stopped = ok(post(ep, temperature=0, stop_token_ids=[third]))
+    assert text_of(stopped) == " ".join(ANSWER.split()[:2]) and stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == 3
+    refused(post(ep, stop_token_ids=[100000]), "stop_token_ids", code="invalid_request")
+
+
+def _top_k(post, ep):
+    for s in range(4):  # top-k 1 keeps only the top token: greedy even at temperature 2
+        assert text_of(ok(post(ep, temperature=2.0, top_k=1, seed=s))) == ANSWER
+    refused(post(ep, top_k=-2), "top_k", code="invalid_request")
+
+
+def _min_p(post, ep):
+    for s in range(4):  # min-p 1 keeps only the top token
+        assert text_of(ok(post(ep, temperature=2.0, min_p=1.0, seed=s))) == ANSWER
+    refused(post(ep, min_p=1.5), "min_p", code="invalid_request")
 
 
 def _ignore_eos(post, ep):
@@ -144,6 +242,7 @@ def _min_tokens(post, ep):
 def _fovea(post, ep):
     body = ok(post(ep, fovea={"grounding": True}, max_tokens=4))
     assert "image_dependent" in body["fovea"]["grounding"]
+    refused(post(ep, fovea={"grounding": True}, n=2), "n", code="invalid_request")  # it scores one answer
 
 
 def _unsatisfiable(name, value):
@@ -182,7 +281,9 @@ HONOURED_CHECKS = {
     "max_tokens": _max_tokens("max_tokens"), "max_completion_tokens": _max_tokens("max_completion_tokens"),
     "temperature": _temperature, "top_p": _top_p, "seed": _seed, "stop": _stop, "stream": _stream,
     "stream_options": _stream_options, "n": _n, "ignore_eos": _ignore_eos, "min_tokens": _min_tokens,
-    "fovea": _fovea,
+    "fovea": _fovea, "logprobs": _logprobs, "top_logprobs": _top_logprobs, "presence_penalty": _presence_penalty,
+    "frequency_penalty": _frequency_penalty, "repetition_penalty": _repetition_penalty, "logit_bias": _logit_bias,
+    "stop_token_ids": _stop_token_ids, "top_k": _top_k, "min_p": _min_p,
     "response_format": _unsatisfiable("response_format", {"type": "json_object"}),
     "guided_json": _unsatisfiable("guided_json", {"type": "object"}),
     "structured_outputs": _one_of("structured_outputs", {"choice": ["yes", "no"]}),

@@ -40,7 +40,7 @@ def test_stream_holds_back_a_possible_call():
 
 def test_response_has_tool_calls():
     finish = FinishEvent("stop", '<tool_call>\n{"name": "f", "arguments": {"x": [1]}}\n</tool_call>', 3, 9, None, 0.1)
-    choice = ToolFormat().response("r", "m", finish, None)["choices"][0]
+    choice = ToolFormat().choice(0, finish, None)
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"x": [1]}
 

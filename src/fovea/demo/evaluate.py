@@ -26,6 +26,7 @@ from fovea.engine.request import FinishEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.model.loader import LoadedModel, load_model
 from fovea.model.prompt import encode_prompt, render_chat
+from fovea.progress import progress
 
 EVAL_SEED = 3
 
@@ -68,7 +69,16 @@ async def answer_all(loaded: LoadedModel, cases: list[Case], batch_size: int = 6
                 if isinstance(event, FinishEvent):
                     case.answer = event.text
 
-        await asyncio.gather(*(run(c) for c in cases))
+        bar = progress(total=len(cases), desc="eval-demo", unit="question")
+
+        async def counted(case: Case) -> None:
+            await run(case)
+            bar.update()
+
+        try:
+            await asyncio.gather(*(counted(c) for c in cases))
+        finally:
+            bar.close()
     finally:
         engine.stop()
 

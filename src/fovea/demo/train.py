@@ -25,6 +25,7 @@ from transformers import LlavaForConditionalGeneration, LlavaProcessor
 from fovea.demo import scenes
 from fovea.demo.build import DemoArchitecture, build_model, save_model_dir
 from fovea.demo.dataset import Pool, build_pool, gather_batch
+from fovea.progress import progress
 
 TRAIN_SEED, HELDOUT_SEED = 1, 2
 
@@ -168,6 +169,7 @@ def train(cfg: TrainConfig) -> dict:
     step_times: list[float] = []
     last_mark = 0.0
     stop_reason = "steps"
+    bar = progress(total=cfg.steps, initial=step, desc="train-demo", unit="step")
     while step < cfg.steps:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -188,14 +190,17 @@ def train(cfg: TrainConfig) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
+        bar.update()
         if step % 100 == 0:
             loss_value = loss.item()  # syncs: only every 100 steps
             now = time.perf_counter()
             if last_mark:
                 step_times.append((now - last_mark) * 10)  # ms per step over the last 100
             last_mark = now
+            bar.set_postfix(loss=f"{loss_value:.4f}")
             if step == 400 and cfg.time_budget_s:
                 fit_schedule_to_budget(cfg, step, started, step_times)
+                bar.total = cfg.steps
             if step % 500 == 0:
                 log(f"step {step} loss {loss_value:.4f} lr {lr_at(step, cfg):.2e}")
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -214,6 +219,7 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.time_budget_s and time.time() - started > cfg.time_budget_s:
             stop_reason = "time budget"
             break
+    bar.close()
     if cfg.resume:
         save_checkpoint(Path(cfg.resume), model, optimizer, step, cfg)
     if not best:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fovea.disagg import checksum_kernel
 from fovea.errors import FoveaError
 
 MAGIC = b"FVE1"
@@ -192,14 +193,21 @@ def check_header(header: EmbeddingHeader, expected: Expectation) -> None:
 
 
 def land_each(items: list[tuple[EmbeddingHeader, torch.Tensor | bytes]],
-              device: torch.device | str = "cpu") -> list[torch.Tensor | HandoffMismatch]:
+              device: torch.device | str = "cpu", batched: bool | None = None) -> list[torch.Tensor | HandoffMismatch]:
     """Each payload's rows on ``device`` if its length fits its header and the bytes that landed
     there their checksum, else why not (one synchronisation for the batch). The headers'
     other fields are ``check_header``'s to judge.
 
     The payloads may be views of a reused buffer (shared memory): the rows returned are copies.
     On a GPU the copies run on a stream of their own, so the engine's queued steps do not
-    delay them, and are marked as used by the default stream the engine reads them on."""
+    delay them, and are marked as used by the default stream the engine reads them on.
+
+    ``batched`` (default: on a GPU, where triton imports) lands a batch in a fixed number of
+    torch calls, however many images it holds: the payloads that lie back to back in one
+    buffer (the pool's shared segment) cross in one copy, one kernel checksums every image
+    (``checksum_kernel``), and the rows are views of the landed block. This runs in a client
+    thread that shares the GIL with the engine and the event loop, and each torch call can
+    wait a switch interval to retake it (bench/handoff_gil_probe.py)."""
     device = torch.device(device)
     out: list[torch.Tensor | HandoffMismatch | None] = [None] * len(items)
     sound: list[tuple[int, torch.Tensor]] = []
@@ -211,13 +219,25 @@ def land_each(items: list[tuple[EmbeddingHeader, torch.Tensor | bytes]],
             out[index] = HandoffMismatch("shape", f"{data.numel()} bytes for {header.shape} {header.dtype}")
         else:
             sound.append((index, data))
-    if device.type == "cuda" and sound:
+    if not sound:
+        return out  # type: ignore[return-value]
+    if device.type == "cuda":
+        if batched is None:
+            batched = checksum_kernel.usable()
+        block = _one_block(sound) if batched else None
         stream = _landing_stream(device)
         with torch.cuda.stream(stream):
-            copies = [data.to(device, non_blocking=True) for _, data in sound]
-            sums = torch.stack([checksum(c) for c in copies]).tolist()
-        for c in copies:
-            c.record_stream(torch.cuda.default_stream(device))
+            if block is not None:
+                span, pieces = block
+                landed = span.to(device, non_blocking=True)
+                landed.record_stream(torch.cuda.default_stream(device))
+                copies = list(torch.split(landed, pieces))[::2]  # the payloads, not the gaps between them
+                sums = checksum_kernel.checksum_many(copies, _STRIDE).tolist()
+            else:
+                copies = [data.to(device, non_blocking=True) for _, data in sound]
+                for c in copies:
+                    c.record_stream(torch.cuda.default_stream(device))
+                sums = torch.stack([checksum(c) for c in copies]).tolist()
     else:
         copies = [data.to(device, copy=True) for _, data in sound]
         sums = [int(checksum(c)) for c in copies]
@@ -228,6 +248,27 @@ def land_each(items: list[tuple[EmbeddingHeader, torch.Tensor | bytes]],
         else:
             out[index] = data.view(DTYPES[header.dtype]).view(*header.shape)
     return out  # type: ignore[return-value]
+
+
+def _one_block(sound: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list[int]] | None:
+    """A flat view from the first payload's start to the last one's end, and the lengths that
+    ``torch.split`` cuts it into (payload, gap, payload, gap...), if the payloads are views of
+    one buffer in increasing order with even lengths (the kernel reads 16-bit words) and the
+    gaps are small (the shared segment aligns each tensor to 256 bytes); else None."""
+    first = sound[0][1]
+    storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
+    pieces: list[int] = []
+    end = start
+    for _, data in sound:
+        gap = data.storage_offset() - end
+        if (data.untyped_storage().data_ptr() != storage or not 0 <= gap <= 4096
+                or data.numel() % 2 or not data.is_contiguous()):
+            return None
+        if pieces:
+            pieces.append(gap)
+        pieces.append(data.numel())
+        end = data.storage_offset() + data.numel()
+    return first.as_strided((end - start,), (1,), start), pieces
 
 
 def open_each(items: list[tuple[EmbeddingHeader, torch.Tensor | bytes]], expected: list[Expectation],

@@ -7,6 +7,8 @@ from collections import OrderedDict
 
 import torch
 
+from fovea.engine.vision_timings import VisionTimings
+
 
 class EncoderCache:
     """LRU over embedding tensors, bounded by bytes. Thread-safe; counts hits and misses."""
@@ -18,6 +20,7 @@ class EncoderCache:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.timings = VisionTimings()  # what encoding each cached image cost (fovea.timing in responses)
 
     def get(self, key: str) -> torch.Tensor | None:
         with self._lock:
@@ -33,6 +36,11 @@ class EncoderCache:
         size = value.numel() * value.element_size()
         if size > self.max_bytes:
             return
+        if value.untyped_storage().nbytes() > size:
+            # A view of a larger block (a vision batch's output, an E/PD batch landed in one
+            # copy): caching the view would keep the whole block allocated while counting only
+            # the view's bytes. A compact copy holds what is counted.
+            value = value.clone()
         with self._lock:
             if key in self._entries:
                 return

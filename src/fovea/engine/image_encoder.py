@@ -113,15 +113,25 @@ class ImageEncoder:
         images fail; without it, it raises."""
         found: dict[str, torch.Tensor] = {}
         todo: dict[str, ImageInput] = {}
+        timings, needs = self.cache.timings, collections.defaultdict(list)  # needs: hash -> prompts to encode it for
         for prompt in prompts:
+            fresh = timings.begin(prompt)
             for image in prompt.images:
                 key = image.hash
-                if key in found or key in todo:
+                if key in todo:
+                    needs[key].append(prompt)
+                    continue
+                if key in found:  # another prompt of this step took it from the cache
+                    if fresh:
+                        timings.note(prompt, cached=1)
                     continue
                 cached = self.cache.get(key)
                 if cached is not None:
+                    if fresh:
+                        timings.note(prompt, cached=1)
                     found[key] = cached
                 elif key in self.prefetched:
+                    timings.note(prompt, unknown=1)
                     future, index = self.prefetched.pop(key)
                     self.prefetch_hits += 1
                     try:
@@ -135,6 +145,7 @@ class ImageEncoder:
                     found[key] = rows
                 else:
                     todo[key] = image
+                    needs[key].append(prompt)
         on_cuda = self.loaded.device.type == "cuda" and not self.remote
         for batch in self.batches(list(todo.values())):
             started, begin = time.perf_counter(), None
@@ -152,8 +163,14 @@ class ImageEncoder:
                 encoded = self.run(batch)
             if begin is not None:
                 self._gpu_timings.append((begin, self._record()))
-            elif self.on_vision_seconds:
-                self.on_vision_seconds(time.perf_counter() - started)
+                call = self._gpu_timings[-1]
+            else:
+                call = 1000 * (time.perf_counter() - started)
+                if self.on_vision_seconds:
+                    self.on_vision_seconds(call / 1000)
+            for image in batch:
+                for prompt in needs[image.hash]:
+                    timings.note(prompt, call=call, encoded=1)
             for image, rows in zip(batch, encoded, strict=True):
                 if rows.shape[0] != image.num_tokens:
                     raise PlaceholderMismatch(f"the vision stage returned {rows.shape[0]} rows for an image of "

@@ -21,9 +21,21 @@ from fovea.model.prompt import EncodedPrompt
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely tokens at its position (the
+    model's raw distribution: ``engine/paged/logprobs.py``)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+@dataclass(slots=True)
 class TokenEvent:
     text: str  # new final text (may be empty while a stop string is pending)
     token_id: int
+    logprob: TokenLogprob | None = None  # when the request asked for log-probabilities
+    index: int = 0  # the choice (0..n-1) it belongs to
 
 
 @dataclass(slots=True)
@@ -35,11 +47,13 @@ class FinishEvent:
     first_token_s: float | None  # seconds from arrival to the first token
     total_s: float
     first_logprobs: torch.Tensor | None = None  # [vocab] log-probabilities of the first token, if asked
+    index: int = 0
 
 
 @dataclass(slots=True)
 class ErrorEvent:
     error: BaseException
+    index: int = 0
 
 
 Event = TokenEvent | FinishEvent | ErrorEvent
@@ -55,6 +69,10 @@ class EngineRequest:
     cancelled: threading.Event = field(default_factory=threading.Event)
     want_first_logprobs: bool = False  # for grounding scores and the canary's image ablation
     first_logprobs: torch.Tensor | None = None
+    index: int = 0  # which of the request's n choices this is
+    # Shared by the n choices of one request (None when n = 1): the scheduler admits a choice
+    # after its sibling's prefill, so that it takes the prompt's blocks from the prefix cache.
+    group: object | None = None
 
 
 def check_fits_context(prompt: EncodedPrompt, params: SamplingParams, model_context: int,
@@ -70,6 +88,15 @@ def check_fits_context(prompt: EncodedPrompt, params: SamplingParams, model_cont
         raise InvalidRequest(
             f"{head} this server's limit of {server_limit} tokens per sequence (max_model_len or KV-cache size). "
             "Lower max_tokens or shorten the prompt.", code="context_length_exceeded", param="max_tokens")
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """400 for a ``logit_bias`` or ``stop_token_ids`` id outside the model's vocabulary."""
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"{name} names token id {bad[0]}, outside this model's vocabulary of {vocab_size} "
+                                 f"ids (0..{vocab_size - 1}).", param=name)
 
 
 class LoopMailbox:
@@ -117,27 +144,45 @@ async def submit_and_stream(work_queue: queue.Queue[EngineRequest | None], max_q
                             want_first_logprobs: bool) -> AsyncIterator[Event]:
     """Queue one request for an engine's worker thread and stream its events back.
 
-    A full queue is refused with 429; a consumer that stops early cancels the request so the
-    worker drops it (or frees its KV blocks) at the next step.
+    With ``params.n`` > 1 the request is n engine requests, one per choice (``params.choice(i)``),
+    whose events carry their ``index``; the stream ends when every choice has finished, or at
+    the first error (the other choices are then cancelled). A full queue is refused with 429;
+    a consumer that stops early cancels the request so the worker drops it (or frees its KV
+    blocks) at the next step.
     """
     mailbox = LoopMailbox.of(asyncio.get_running_loop())
     events: asyncio.Queue[Event] = asyncio.Queue()
-    request = EngineRequest(
-        request_id=request_id or uuid.uuid4().hex,
-        prompt=prompt,
-        params=params,
-        emit=lambda event: mailbox.post(events.put_nowait, event),
-        want_first_logprobs=want_first_logprobs,
-    )
+    rid = request_id or uuid.uuid4().hex
+    n = params.n
+    cancelled = threading.Event()
+    group = object() if n > 1 else None
+
+    def emitter(index: int) -> Callable[[Event], None]:
+        def emit(event: Event) -> None:
+            event.index = index
+            mailbox.post(events.put_nowait, event)
+        return emit
+
+    requests = [EngineRequest(request_id=rid if n == 1 else f"{rid}-{i}", prompt=prompt,
+                              params=params if n == 1 else params.choice(i), emit=emitter(i),
+                              cancelled=cancelled, want_first_logprobs=want_first_logprobs, index=i, group=group)
+                for i in range(n)]
     try:
-        work_queue.put_nowait(request)
+        for request in requests:
+            work_queue.put_nowait(request)
     except queue.Full:
+        cancelled.set()  # the choices already queued are dropped by the worker
         raise Overloaded(f"{max_queue} requests are already waiting; retry shortly.") from None
+    finished = 0
     try:
         while True:
             event = await events.get()
             yield event
-            if isinstance(event, (FinishEvent, ErrorEvent)):
+            if isinstance(event, ErrorEvent):
                 return
+            if isinstance(event, FinishEvent):
+                finished += 1
+                if finished == n:
+                    return
     finally:
-        request.cancelled.set()  # no-op when finished
+        cancelled.set()  # no-op when finished

@@ -31,8 +31,10 @@ from fovea.front.metrics import FrontMetrics, merge
 from fovea.front.pd_fleet import HUNG_AFTER_S, PdFleet, PdWorker
 from fovea.front.proxy import Proxy
 from fovea.front.uploads import UploadRecord
+from fovea.logs import RequestIdMiddleware
 from fovea.serve.body_limit import BodyLimitMiddleware
 from fovea.serve.error_handlers import install_error_handlers
+from fovea.serve.playground_route import make_playground_router
 from fovea.serve.request_gate import RequestGate
 from fovea.serve.trailing_slash import StripTrailingSlash
 
@@ -137,6 +139,14 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
     async def completions(request: Request):
         return await proxy.one(request)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await proxy.responses(request)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(request: Request, response_id: str):
+        return await proxy.stored(request, response_id)
+
     @app.post("/generate")
     async def generate(request: Request):
         return await proxy.one(request)
@@ -165,8 +175,10 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
     async def canary(request: Request):
         return await proxy.canary(request)
 
+    app.include_router(make_playground_router())
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(StripTrailingSlash)
+    app.add_middleware(RequestIdMiddleware)  # the id goes on to the PD worker in X-Request-Id
     return app
 
 
@@ -229,7 +241,8 @@ def run_front(settings: ServerSettings, argv: list[str], log_level: str) -> int:
         log.info("front: %d PD worker(s) and %d encode worker(s) ready in %.1f s", len(fleet.workers),
                  len(encoders.procs), time.monotonic() - started)
         app = create_front_app(settings, fleet, encoders)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower(), **uvicorn_options())
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower(), log_config=None,
+                    **uvicorn_options())
     finally:
         fleet.stop()
         encoders.stop()

@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -37,6 +38,8 @@ TIMEOUT = httpx.Timeout(connect=5.0, read=READ_TIMEOUT_S, write=60.0, pool=None)
 # sends its own to the worker), and what the front's server sets itself.
 _SKIP_REQUEST = frozenset({"host", "authorization", "content-length", "connection", "keep-alive", "te", "trailer",
                            "transfer-encoding", "upgrade", "proxy-authorization", "proxy-connection"})
+# The last event of a Responses API stream (it has no data: [DONE]).
+_RESPONSES_ENDS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
 _SKIP_RESPONSE = frozenset({"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"})
 
 
@@ -84,12 +87,14 @@ class Proxy:
             await self.client.aclose()
 
     # ---- one worker -------------------------------------------------------------------------
-    async def one(self, request: Request) -> Response:
-        """To the least-loaded ready worker; to the next one if it cannot be reached."""
+    async def one(self, request: Request, prefer: PdWorker | None = None) -> Response:
+        """To ``prefer`` if it is ready, else the least-loaded ready worker; to the next one if
+        it cannot be reached."""
         body, route = await request.body(), _route(request)
         tried: set[int] = set()
         while True:
-            worker = self.fleet.choose(tried)
+            worker = prefer if prefer is not None and prefer.state == "ready" and not tried else \
+                self.fleet.choose(tried)
             if worker is None:
                 raise PdUnavailable("no prefill/decode worker is ready to take the request"
                                     + (f" ({len(tried)} could not be reached)" if tried else "")
@@ -127,20 +132,26 @@ class Proxy:
     async def _events(self, worker: PdWorker, upstream: httpx.Response, route: str) -> AsyncIterator[bytes]:
         """The worker's events as they come, each passed on whole (a worker that dies mid-event
         leaves no half event behind)."""
-        pending, finished = b"", False
+        pending, finished, count = b"", False, 0
         try:
             async for chunk in upstream.aiter_raw():
                 pending += chunk
                 *events, pending = pending.split(b"\n\n")
                 for event in events:
-                    finished = finished or event.strip() == b"data: [DONE]"
+                    finished = finished or event.strip() == b"data: [DONE]" or event.startswith(_RESPONSES_ENDS)
+                    count += 1
                     yield event + b"\n\n"
             if pending:
                 yield pending
         except httpx.TransportError as exc:
             if not finished:
                 error = self._lose(worker, route, exc, streamed=True)
-                yield _sse(json.dumps(error.to_body(), separators=(",", ":"))) + _sse("[DONE]")
+                if route == "/v1/responses":  # the Responses API's own error event, next in its sequence
+                    event = {"type": "error", "sequence_number": count, "code": error.code, "message": error.message,
+                             "param": None}
+                    yield b"event: error\n" + _sse(json.dumps(event, separators=(",", ":")))
+                else:
+                    yield _sse(json.dumps(error.to_body(), separators=(",", ":"))) + _sse("[DONE]")
 
     def _failed(self, worker: PdWorker, route: str, exc: httpx.TransportError) -> Response:
         error = self._lose(worker, route, exc)
@@ -160,6 +171,30 @@ class Proxy:
                     type(exc).__name__, exc)
         return PdWorkerLost(f"the prefill/decode worker that held this request ({worker.index}) went away "
                             f"({type(exc).__name__}); retry it", code="pd_worker_lost")
+
+    # ---- stored responses (/v1/responses) ---------------------------------------------------
+    async def responses(self, request: Request) -> Response:
+        """A response that continues a stored one goes to the worker that stores it (which then
+        stores the new one too, if asked); any other to the least-loaded worker."""
+        previous = _previous_response_id(await request.body())
+        holder = await self._holder(request, previous) if previous else None
+        return await self.one(request, prefer=holder)
+
+    async def stored(self, request: Request, response_id: str) -> Response:
+        """GET or DELETE of a stored response: every ready worker is asked, and the one that
+        holds it answers (the others' 404 is the answer when none does)."""
+        results = await self._fan_out(self._ready_or_refuse(), request.method, _target(request), b"",
+                                      self._headers(request.headers.raw))
+        answered = [(w, r) for w, r in results if isinstance(r, httpx.Response)]
+        if not answered:
+            raise PdWorkerLost("every prefill/decode worker went away during the request; retry it")
+        worker, reply = next(((w, r) for w, r in answered if r.status_code != 404), answered[0])
+        return _buffered(reply.status_code, reply.content, _response_headers(reply, worker))
+
+    async def _holder(self, request: Request, response_id: str) -> PdWorker | None:
+        path = f"/v1/responses/{quote(response_id, safe='')}"
+        results = await self._fan_out(self.fleet.ready(), "GET", path, b"", self._headers(request.headers.raw))
+        return next((w for w, r in results if isinstance(r, httpx.Response) and r.status_code == 200), None)
 
     # ---- every worker -----------------------------------------------------------------------
     async def upload(self, request: Request) -> Response:
@@ -251,6 +286,17 @@ class Proxy:
     def _headers(self, raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         kept = [(k, v) for k, v in raw if k.decode("latin-1").lower() not in _SKIP_REQUEST]
         return [*kept, (b"authorization", self.fleet.headers["authorization"].encode())]
+
+
+def _previous_response_id(body: bytes) -> str | None:
+    """The body's previous_response_id, if it is a JSON object with one (the worker refuses the rest)."""
+    if b"previous_response_id" not in body:  # the usual case: no parse of a body of inline images
+        return None
+    try:
+        value = json.loads(body).get("previous_response_id")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
 
 
 def _route(request: Request) -> str:

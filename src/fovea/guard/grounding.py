@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from fovea.engine.image_encoder import ImageEncoder, scatter_image_rows, token_embeddings
+from fovea.engine.image_encoder import ImageEncoder, check_image_row_count, token_embeddings
 from fovea.guard.canary import kl_divergence
 from fovea.model.loader import LoadedModel
 from fovea.models.base import EncodedPrompt, reference_position_ids
@@ -31,14 +31,15 @@ def answer_logprobs(loaded: LoadedModel, images: ImageEncoder, prompt: EncodedPr
     ``images`` is backed by the engine's encoder cache: the request's own images were just
     encoded there, so only the blank twin's are encoded here."""
     ids = torch.tensor(prompt.input_ids + answer_ids, device=loaded.device)
-    rows = images.rows_for([prompt])
-    embeds = token_embeddings(loaded, ids)
-    scatter_image_rows(embeds, ids, [rows[k] for k in prompt.image_hashes], loaded.image_token_id, "grounding")
+    found = images.rows_for([prompt])
+    rows = [found[k] for k in prompt.image_hashes]
+    mask = ids == loaded.image_token_id
+    check_image_row_count(int(mask.sum()), rows, "grounding")
+    embeds = token_embeddings(loaded, ids).unsqueeze(0)
+    flat = torch.cat(rows) if rows else embeds.new_zeros((0, embeds.shape[-1]))
     positions = reference_position_ids(prompt, ids.shape[0], loaded.device, loaded.adapter.uses_mrope())
-    extra = {} if positions is None else {"position_ids": positions}
-    out = loaded.model(inputs_embeds=embeds.unsqueeze(0), logits_to_keep=len(answer_ids) + 1, use_cache=False,
-                       **extra)
-    return torch.log_softmax(out.logits[0, :-1].float(), dim=-1).cpu()
+    logits = loaded.adapter.embeds_logits(loaded.model, embeds, mask, flat, positions, len(answer_ids) + 1)
+    return torch.log_softmax(logits[0, :-1].float(), dim=-1).cpu()
 
 
 def answer_dependence(loaded: LoadedModel, images: ImageEncoder, prompt: EncodedPrompt, blank_twin: EncodedPrompt,

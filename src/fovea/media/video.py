@@ -1,6 +1,7 @@
 """Untrusted video bytes in, sampled RGB frames out (PyAV), under ``MediaConfig``'s limits.
 
-Frames are sampled as transformers' ``Qwen2VLVideoProcessor.sample_frames`` samples them at an
+Frames are sampled as transformers' ``Qwen2VLVideoProcessor.sample_frames`` samples them (a model may
+bring its own sampler: Qwen3-VL's, ``fovea.models.qwen3_vl.sample_indices``) at an
 ``fps``: ``total / source_fps * fps`` frames, at least ``min_frames``, at most the frame cap and the
 video's own frame count, rounded down to a multiple of ``temporal_patch_size``, at the indices
 ``arange(0, total, total / n)``. A video shorter than one temporal patch keeps what it has (the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from PIL import Image
@@ -111,11 +113,17 @@ def load_video_bytes(ref: str, config: MediaConfig) -> bytes:
     raise InvalidVideo(f"The video reference is not {_VIDEO_KINDS}.")
 
 
+Sampler = Callable[[int, float, float, int, int, int], list[int]]  # sample_indices' arguments
+
+
 def decode_video_bytes(data: bytes, config: MediaConfig, fps: float, min_frames: int = 4,
-                       temporal_patch_size: int = 2, max_frames: int | None = None) -> DecodedVideo:
+                       temporal_patch_size: int = 2, max_frames: int | None = None,
+                       sampler: Sampler | None = None) -> DecodedVideo:
     """The video's frames sampled at ``fps`` (at most ``max_frames``, by default
-    ``config.max_video_frames``), RGB."""
+    ``config.max_video_frames``), RGB. ``sampler``: the model's own frame choice (Qwen3-VL's
+    linspace), with ``sample_indices``' arguments; by default Qwen2-VL's."""
     max_frames = max_frames or config.max_video_frames
+    sample = sampler or sample_indices
     import av  # imported here: only servers of video models need it at start-up
 
     check_video_bytes(len(data), config)
@@ -147,7 +155,7 @@ def decode_video_bytes(data: bytes, config: MediaConfig, fps: float, min_frames:
     if seconds > config.max_video_seconds:
         raise VideoTooLarge(f"The video is {seconds:.1f} s long; this server accepts videos up to "
                             f"{config.max_video_seconds:g} s (--max-video-seconds). Trim it.")
-    wanted = sample_indices(total, source_fps, fps, max_frames, min_frames, temporal_patch_size)
+    wanted = sample(total, source_fps, fps, max_frames, min_frames, temporal_patch_size)
     frames: dict[int, Image.Image] = {}
     decoded = 0
     try:
@@ -171,6 +179,6 @@ def decode_video_bytes(data: bytes, config: MediaConfig, fps: float, min_frames:
     # Fewer decodable frames than packets (a truncated tail): sample what decoded, the same way.
     if len(frames) < len(wanted):
         total = decoded
-        wanted = sample_indices(total, source_fps, fps, max_frames, min_frames, temporal_patch_size)
+        wanted = sample(total, source_fps, fps, max_frames, min_frames, temporal_patch_size)
         wanted = [i for i in wanted if i in frames] or [max(frames)]
     return DecodedVideo([frames[i] for i in wanted], wanted, total, source_fps)

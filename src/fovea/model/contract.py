@@ -269,6 +269,16 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
     )
 
 
+def deepstack_levels(loaded: LoadedModel) -> int:
+    return int(loaded.adapter.lm_spec(loaded.model).deepstack_layers)
+
+
+def vision_row_width(loaded: LoadedModel) -> int:
+    """Width of one image token's row from the vision stage (what an encode worker hands over):
+    the LM's hidden size, times 1 + the DeepStack levels for DeepStack families."""
+    return int(loaded.model.get_input_embeddings().weight.shape[1]) * (1 + deepstack_levels(loaded))
+
+
 def probe_chat(images: int, text: str = "What is in the image?") -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}]
 
@@ -338,7 +348,8 @@ def _probe_vision(loaded: LoadedModel, violations: list[Violation], notes: list[
             f"{prompt.image_token_counts} (tokens the processor inserts; {expanded} image tokens in the prompt)",
             "make the processor config (patch_size, merge_size, num_additional_image_tokens, "
             "vision_feature_select_strategy) match the vision tower"))
-    embed_width = loaded.model.get_input_embeddings().weight.shape[1]
+    # DeepStack families return the embedding and each feature level side by side.
+    embed_width = vision_row_width(loaded)
     if any(r.shape[-1] != embed_width for r in rows):
         violations.append(Violation("image embedding width", f"{embed_width}", f"{rows[0].shape[-1]}",
                                     "fix the projector"))

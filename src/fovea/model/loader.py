@@ -18,10 +18,12 @@ import torch
 
 from fovea.errors import ModelLoadError
 from fovea.models import ModelAdapter, PromptCodec, adapter_for, supported_model_types
+from fovea.progress import progress
 
 log = logging.getLogger("fovea.model")
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "fovea-shapes"
+# Package data: in a checkout a symlink to models/fovea-shapes, in an installed wheel the files themselves.
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model" / "fovea-shapes"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -57,7 +59,7 @@ class LoadedModel:
 
 
 def default_model_dir() -> Path:
-    """The shipped demo model: in the source checkout, else under the working directory."""
+    """The shipped demo model: inside the package (wheel or checkout), else under the working directory."""
     for candidate in (DEMO_MODEL_DIR, Path.cwd() / "models" / "fovea-shapes"):
         if (candidate / "config.json").is_file():
             return candidate
@@ -175,13 +177,20 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
     adapter = adapter_for(config["model_type"])
     assert adapter is not None  # inspect_model_dir refused the others
     model_class = adapter.model_class()
+    stages = progress(total=3, desc=f"loading {path.name}", unit="stage", leave=False)
     try:
+        stages.set_postfix_str("processor")
         processor = adapter.load_processor(path)
+        stages.update()
+        stages.set_postfix_str("weights")
         model, info = model_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
                                                   output_loading_info=True)
+        stages.update()
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        stages.close()
         raise ModelLoadError(f"transformers could not load {path}: {exc}") from exc
     refuse_partial_load(path, info)
+    stages.set_postfix_str(f"to {torch_device}")
     # One device for everything and one dtype for every weight: the vision tower can never be
     # left behind on another device or in another precision. Rotary-frequency buffers stay in
     # float32 (transformers computes positions with them in float32; in bfloat16 the angle at
@@ -198,6 +207,8 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
             f"{tokenizer.convert_tokens_to_ids(image_token)} in the tokenizer, but the model "
             f"expects image_token_id {image_token_id}. Fix config.json or the tokenizer."
         )
+    stages.update()
+    stages.close()
     text_config = model.config.text_config
     loaded = LoadedModel(
         path=path,

@@ -11,8 +11,10 @@ from fovea.models.fovea_vlm import FoveaVLMAdapter
 from fovea.models.llava import LlavaAdapter
 from fovea.models.llava_next import LlavaNextAdapter
 from fovea.models.qwen2_5_vl import Qwen2_5_VLAdapter
+from fovea.models.qwen3_vl import Qwen3_VLAdapter
 
-_FAMILIES: tuple[type[ModelAdapter], ...] = (LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter, FoveaVLMAdapter)
+_FAMILIES: tuple[type[ModelAdapter], ...] = (LlavaAdapter, LlavaNextAdapter, Qwen2_5_VLAdapter, Qwen3_VLAdapter,
+                                             FoveaVLMAdapter)
 ADAPTERS: dict[str, type[ModelAdapter]] = {t: cls for cls in _FAMILIES for t in cls.family.model_types}
 
 

@@ -42,7 +42,8 @@ class ImageInput:
     num_tokens: int  # image-token positions it fills in the prompt
     hash: str  # content hash of what the model sees (the encoder- and prefix-cache key)
     grid: tuple[int, int, int] | None = None  # (t, h, w) in patches, for dynamic-resolution towers
-    # A video (Qwen2.5-VL): seconds of video per temporal patch (None: an image), and the token
+    # A video (Qwen2.5-VL): seconds of video per temporal patch (None: an image); for Qwen3-VL,
+    # whose items are a video's temporal patches one by one, that patch's timestamp. And the token
     # transformers marks its positions with. In the engine's token ids every vision position
     # carries the image token: its embedding is replaced by the tower's rows, so the id only
     # marks the slot; ``ModelAdapter.reference_ids`` restores the video token for transformers.
@@ -177,6 +178,10 @@ class LanguageModelSpec:
     lm_head: torch.nn.Module | None  # None: tied to embed_tokens
     config: Any  # the text config
     mrope_section: list[int] | None = None  # M-RoPE's frequencies per (t, h, w); None: 1-D RoPE
+    mrope_interleaved: bool = False  # Qwen3-VL: the rows' frequencies interleaved (T H W T H W ...)
+    # DeepStack (Qwen3-VL): the vision stage's rows carry, after the embedding, this many more
+    # [hidden] feature levels, added to the image positions after decoder layers 0, 1, ...
+    deepstack_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -243,7 +248,8 @@ class ModelAdapter(ABC):
     @abstractmethod
     def vision_forward(self, loaded: Any) -> Callable[[list[ImageInput]], list[torch.Tensor]]:
         """The eager vision stage: images (pixels on the model's device) -> each image's
-        [num_tokens, lm_hidden] rows in the model dtype."""
+        [num_tokens, lm_hidden] rows in the model dtype ([num_tokens, (1 + deepstack levels) *
+        lm_hidden] for DeepStack models: the embedding, then each level's features)."""
 
     def fixed_image_shape(self, config: Any) -> tuple[int, ...] | None:
         """The one pixel shape every image has (towers of a fixed resolution), else None."""
@@ -277,6 +283,16 @@ class ModelAdapter(ABC):
         """transformers' own input_ids for ``prompt`` (the engine's, but for families that mark
         videos with a token of their own)."""
         return list(prompt.input_ids)
+
+    def embeds_logits(self, model: torch.nn.Module, embeds: torch.Tensor, image_mask: torch.Tensor,
+                      rows: torch.Tensor, position_ids: torch.Tensor | None, keep: int) -> torch.Tensor:
+        """transformers' logits [1, keep, vocab] of the last ``keep`` positions of ``embeds`` ([1, T,
+        hidden] token embeddings) with the vision stage's ``rows`` at the ``image_mask`` ([T])
+        positions: the teacher-forced reference of per-request grounding."""
+        if rows.numel():
+            embeds[0, image_mask] = rows.to(embeds.dtype)
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        return model(inputs_embeds=embeds, logits_to_keep=keep, use_cache=False, **extra).logits
 
     def reference_inputs(self, prompt: EncodedPrompt, device: torch.device, image_token_id: int) -> dict[str, Any]:
         """transformers' own forward/generate inputs for ``prompt`` (the reference that tests,

@@ -100,6 +100,19 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def read_video_config(path: Path) -> dict:
+    """The video processor's settings as transformers loads them: processor_config.json's
+    ``video_processor``, else video_preprocessor_config.json, else preprocessor_config.json."""
+    raw: dict = {}
+    nested = path / "processor_config.json"
+    if nested.is_file():
+        raw = json.loads(nested.read_text()).get("video_processor") or {}
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if not raw and (path / name).is_file():
+            raw = json.loads((path / name).read_text())
+    return raw
+
+
 @dataclass(frozen=True)
 class VideoRecipe:
     """What Qwen2VLVideoProcessor does to a video's frames, read from the model's files."""
@@ -123,13 +136,7 @@ class VideoRecipe:
         """As transformers' video processor loads: processor_config.json's ``video_processor``,
         else video_preprocessor_config.json, else preprocessor_config.json (the image
         processor's: Qwen2.5-VL checkpoints ship only that), then the class defaults."""
-        raw: dict = {}
-        nested = path / "processor_config.json"
-        if nested.is_file():
-            raw = json.loads(nested.read_text()).get("video_processor") or {}
-        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-            if not raw and (path / name).is_file():
-                raw = json.loads((path / name).read_text())
+        raw = read_video_config(path)
         size = raw.get("size") or {}
 
         def get(key: str, size_key: str | None = None) -> Any:

@@ -18,7 +18,8 @@ from fovea.engine.paged.config import VISION_BATCH
 from fovea.engine.paged.memory_plan import check_weights_fit
 from fovea.errors import FoveaError
 from fovea.guard.memory import estimate_weight_bytes
-from fovea.model.contract import check_contract
+from fovea.logs import RequestIdMiddleware
+from fovea.model.contract import check_contract, vision_row_width
 from fovea.model.loader import LoadedModel, default_model_dir, load_model, resolve_device, resolve_dtype
 from fovea.serve.body_limit import BodyLimitMiddleware
 from fovea.serve.chat import make_chat_router
@@ -26,7 +27,9 @@ from fovea.serve.completions import make_completions_router
 from fovea.serve.error_handlers import install_error_handlers
 from fovea.serve.images_api import make_images_router
 from fovea.serve.metrics import Metrics
+from fovea.serve.playground_route import make_playground_router
 from fovea.serve.request_gate import RequestGate
+from fovea.serve.responses import make_responses_router
 from fovea.serve.state import ServerState
 from fovea.serve.tokenize import make_tokenize_router
 from fovea.serve.trailing_slash import StripTrailingSlash
@@ -88,7 +91,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                                        sum(p.numel() for p in loaded.model.parameters())).fused_vision
         pool = EncoderPool(loaded.path, workers=settings.encode_workers or 1, device=str(loaded.device),
                            dtype=str(loaded.dtype).removeprefix("torch."), model_id=contract.model_fingerprint,
-                           recipe_fingerprint=contract.recipe_fingerprint, hidden=contract.lm_hidden,
+                           recipe_fingerprint=contract.recipe_fingerprint, hidden=vision_row_width(loaded),
                            timeout_s=settings.encode_timeout_s or 60.0, ray_address=settings.ray_address,
                            batch_images=vision_batch, pd_device=str(loaded.device), fused_vision=bool(fused),
                            on_handoff=metrics.observe_handoff, encoder_addresses=list(settings.encode_addresses),
@@ -210,8 +213,11 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(StripTrailingSlash)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every line and response of a request has its id
     app.include_router(make_chat_router(state))
     app.include_router(make_completions_router(state))
+    app.include_router(make_responses_router(state))
     app.include_router(make_tokenize_router(state))
     app.include_router(make_images_router(state.store, settings.media))
+    app.include_router(make_playground_router())
     return app

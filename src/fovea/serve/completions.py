@@ -12,8 +12,8 @@ from fovea.serve.chat import (
     refuse_typed_placeholder,
     refuse_typed_video_token,
 )
-from fovea.serve.generation import TEXT, respond, run_to_finish, sampling_params
-from fovea.serve.protocol import CompletionRequest, GenerateRequest, usage
+from fovea.serve.generation import TEXT, respond, run_choices, sampling_params, total_usage
+from fovea.serve.protocol import CompletionRequest, GenerateRequest
 from fovea.serve.state import ServerState
 
 
@@ -41,9 +41,13 @@ def make_completions_router(state: ServerState) -> APIRouter:
         prompt, _ = await state.preprocessor.prompts(text, images)
         params = sampling_params(state, req, prompt)
         state.engine.check_fits(prompt, params)
-        finish = await run_to_finish(state, prompt, params, "gen-" + str(id(prompt)))
-        return JSONResponse({"text": finish.text, "finish_reason": finish.finish_reason,
-                             "model": state.model_name,
-                             "usage": usage(finish.prompt_tokens, finish.completion_tokens)})
+        answers = await run_choices(state, prompt, params, "gen-" + str(id(prompt)))
+        finishes = [a.finish for a in answers]
+        body = {"text": finishes[0].text, "finish_reason": finishes[0].finish_reason, "model": state.model_name,
+                "usage": total_usage(finishes)}
+        if params.n > 1:  # every choice; text and finish_reason above are choice 0's
+            body["choices"] = [{"index": i, "text": f.text, "finish_reason": f.finish_reason}
+                               for i, f in enumerate(finishes)]
+        return JSONResponse(body)
 
     return router

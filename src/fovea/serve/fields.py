@@ -64,7 +64,6 @@ class Field:
         return self.values is not None and self.values(value)
 
 
-_LOGPROBS = "fovea returns no log-probabilities; leave it out"
 
 FIELDS: tuple[Field, ...] = (
     # Honoured.
@@ -86,12 +85,29 @@ FIELDS: tuple[Field, ...] = (
     Field("stream", HONOURED, "server-sent events ending with `data: [DONE]`", example=True),
     Field("stream_options", HONOURED, "`{\"include_usage\": true}` adds a usage chunk; only with `stream: true` "
           "(as vLLM); other keys are refused", example={"include_usage": True}),
-    Field("n", HONOURED, "only 1: more than one choice per request is refused",
-          values=lambda v: _is_int(v) and v > 1, example=2),
+    Field("n", HONOURED, "1 to 128 choices, indexed 0..n-1 (streamed chunks name theirs); they share the prompt's KV "
+          "blocks (the prefix cache); usage counts the prompt once and every choice's tokens; with `seed`, "
+          "choice i is seeded `seed + i` (as vLLM), so choice 0 is the n=1 answer"),
+    Field("logprobs", HONOURED, "chat: `true` adds `choices[].logprobs.content[]` (`token`, `logprob`, `bytes`, "
+          "`top_logprobs`); completions: an integer 0..20 adds the legacy `tokens`, `token_logprobs`, `top_logprobs`, "
+          "`text_offset`; streamed too. The model's raw log-probabilities, before bias, penalties and temperature "
+          "(vLLM's default); an end-of-sequence or stop token that ends the answer has no entry"),
+    Field("top_logprobs", HONOURED, "0 to 20 alternatives per token; needs `logprobs: true`", frozenset({CHAT})),
+    Field("presence_penalty", HONOURED, "-2 to 2, subtracted from the logit of every token already generated"),
+    Field("frequency_penalty", HONOURED, "-2 to 2, times each token's count in the answer so far, subtracted from "
+          "its logit"),
+    Field("repetition_penalty", HONOURED, "vLLM extension, > 0: the logits of tokens in the prompt or the answer are "
+          "divided by it when positive, multiplied when negative (transformers' rule); 1 is off"),
+    Field("logit_bias", HONOURED, "token id -> -100..100 added to its logit; an id outside the vocabulary is a 400"),
+    Field("stop_token_ids", HONOURED, "vLLM extension: generating one of these ids ends the answer (finish_reason "
+          "`stop`); it counts in usage, not in the text, and cannot come before `min_tokens`"),
+    Field("top_k", HONOURED, "vLLM extension: sample from the k most likely tokens; -1 or 0 is off"),
+    Field("min_p", HONOURED, "vLLM extension, 0 to 1: drop tokens below min_p times the top token's probability"),
     Field("ignore_eos", HONOURED, "vLLM extension: end-of-sequence does not end the answer", example=True),
     Field("min_tokens", HONOURED, "vLLM extension: no end-of-sequence or stop string before this many tokens",
           example=6),
-    Field("fovea", HONOURED, "fovea extension: `{\"grounding\": true}` adds a per-request grounding score",
+    Field("fovea", HONOURED, "fovea extension: `{\"grounding\": true}` adds a per-request grounding score, "
+          "`{\"timing\": true}` the request's encoder latency, time to first token and tokens/s",
           example={"grounding": True}),
     # Tools (docs/structured-outputs.md#tools): where the model's chat template renders them.
     Field("tools", HONOURED, "function tools, rendered by the model's chat template; the answer's "
@@ -123,19 +139,6 @@ FIELDS: tuple[Field, ...] = (
     Field("store", NOOP, "only `false`: fovea stores no completions", values=_false, example=True),
     Field("service_tier", NOOP, "only `\"auto\"` or `\"default\"`: fovea has one tier",
           values=lambda v: v in ("auto", "default"), example="flex"),
-    Field("logprobs", NOOP, "chat: only `false`; completions: only null. " + _LOGPROBS,
-          values=_false, example=True),
-    Field("top_logprobs", NOOP, "only 0. " + _LOGPROBS, frozenset({CHAT}), values=_zero, example=2),
-    Field("presence_penalty", NOOP, "only 0: fovea applies no penalties", values=_zero, example=0.5),
-    Field("frequency_penalty", NOOP, "only 0: fovea applies no penalties", values=_zero, example=0.5),
-    Field("repetition_penalty", NOOP, "vLLM extension; only 1: fovea applies no penalties",
-          values=lambda v: _is_num(v) and v == 1, example=1.2),
-    Field("top_k", NOOP, "vLLM extension; only -1 or 0 (off): fovea has no top-k; use `top_p`",
-          values=lambda v: _is_int(v) and v in (-1, 0), example=5),
-    Field("min_p", NOOP, "vLLM extension; only 0 (off): fovea has no min-p; use `top_p`", values=_zero,
-          example=0.1),
-    Field("logit_bias", NOOP, "only `{}`: fovea applies no logit bias", values=_empty, example={"1": 5}),
-    Field("stop_token_ids", NOOP, "vLLM extension; only `[]`: use `stop` strings", values=_empty, example=[2]),
     Field("modalities", NOOP, "only `[\"text\"]`: fovea answers in text", values=lambda v: v == ["text"],
           endpoints=frozenset({CHAT}), example=["text", "audio"]),
     Field("echo", NOOP, "only `false`: send the prompt back yourself if you need it", values=_false,
@@ -184,7 +187,8 @@ def check_body(body: Any, endpoint: str) -> None:
 
 # /generate, fovea's simple shape, takes these and nothing else (stream, fovea, user, ... are refused).
 GENERATE_FIELDS = ("model", "prompt", "image", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                   "seed", "stop", "n", "ignore_eos", "min_tokens")
+                   "seed", "stop", "n", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias", "stop_token_ids", "top_k", "min_p")
 
 
 def check_generate_body(body: Any) -> None:
@@ -195,9 +199,6 @@ def check_generate_body(body: Any) -> None:
             raise UnsupportedParameter(f"/generate takes only {', '.join(GENERATE_FIELDS)}; {name!r} is not one of "
                                        "them: remove it, or use /v1/chat/completions (docs/api.md lists its fields).",
                                        param=name)
-    n = body.get("n")
-    if _is_int(n) and n > 1:
-        raise UnsupportedParameter(f"n={n} is not supported: only 1.", param="n")
 
 
 def markdown_table(endpoint: str) -> str:

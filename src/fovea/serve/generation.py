@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fovea.engine.image_encoder import ImageEncoder
-from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
+from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent, TokenLogprob
 from fovea.engine.sampling import SamplingParams
 from fovea.engine.structured.spec import GrammarSpec
 from fovea.errors import FoveaError, InvalidRequest
@@ -18,9 +20,12 @@ from fovea.guard.canary import KL_FLOOR
 from fovea.guard.grounding import answer_dependence
 from fovea.model.prompt import EncodedPrompt
 from fovea.serve import protocol
+from fovea.serve.logprobs_format import LogprobFormatter
 from fovea.serve.protocol import SamplingFields
 from fovea.serve.state import ServerState
 from fovea.serve.structured import compile_request_grammar
+
+log = logging.getLogger("fovea.request")
 
 
 class EngineFailure(FoveaError):
@@ -50,7 +55,44 @@ def sampling_params(state: ServerState, req: SamplingFields, prompt: EncodedProm
         stop=list(req.stop or []),
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
+        n=req.n,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=req.logit_bias_ids(),
+        stop_token_ids=list(req.stop_token_ids or []),
+        logprobs=req.top_logprobs_wanted(),
     )
+
+
+def timing_report(state: ServerState, prompt: EncodedPrompt, finish: FinishEvent) -> dict:
+    """``fovea.timing``: what this request's images cost the vision stage (engine/vision_timings.py)
+    and how fast its answer came."""
+    vision = state.engine.encoder_cache.timings.report(prompt) or {"encoder_ms": None, "images_encoded": 0,
+                                                                    "images_cached": 0}
+    decode_s = finish.total_s - (finish.first_token_s or 0.0)
+    rate = (finish.completion_tokens - 1) / decode_s if finish.completion_tokens > 1 and decode_s > 0 else None
+    first = None if finish.first_token_s is None else round(1000 * finish.first_token_s, 3)
+    return {**vision, "first_token_ms": first, "total_ms": round(1000 * finish.total_s, 3),
+            "completion_tokens": finish.completion_tokens,
+            "decode_tokens_per_s": None if rate is None else round(rate, 2)}
+
+
+def log_finish(state: ServerState, prompt: EncodedPrompt, finish: FinishEvent, completion_id: str) -> None:
+    """The numbers the metrics observed for this request, on one line with its request id (fovea.logs)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    timing = timing_report(state, prompt, finish)
+    log.info("%s %s: %d prompt + %d completion tokens, first token %s ms, encoder %s ms", completion_id,
+             finish.finish_reason, finish.prompt_tokens, finish.completion_tokens, timing["first_token_ms"],
+             timing["encoder_ms"], extra={"completion_id": completion_id, "finish_reason": finish.finish_reason,
+                                          "prompt_tokens": finish.prompt_tokens, **timing})
+
+
+def extension(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, finish: FinishEvent) -> dict:
+    return {"timing": timing_report(state, prompt, finish)} if req.fovea and req.fovea.timing else {}
 
 
 async def grounding_report(state: ServerState, prompt: EncodedPrompt, twin: EncodedPrompt | None,
@@ -68,43 +110,75 @@ class Format:
     def __init__(self, kind: str) -> None:
         self.kind = kind  # "chat" | "text"
 
-    def response(self, rid, model, finish: FinishEvent, extra) -> dict:
-        build = protocol.chat_response if self.kind == "chat" else protocol.text_response
-        return build(rid, model, finish.text, finish.finish_reason, finish.prompt_tokens,
-                     finish.completion_tokens, extra)
+    def choice(self, index: int, finish: FinishEvent, logprobs: dict | None) -> dict:
+        build = protocol.chat_choice if self.kind == "chat" else protocol.text_choice
+        return build(index, finish.text, finish.finish_reason, logprobs)
 
-    def first(self, rid, model, created) -> dict | None:
-        return protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}) \
+    def response(self, rid, model, choices: list[dict], usage: dict, extra) -> dict:
+        build = protocol.chat_response if self.kind == "chat" else protocol.text_response
+        return build(rid, model, choices, usage, extra)
+
+    def first(self, rid, model, created, index: int = 0) -> dict | None:
+        return protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, index=index) \
             if self.kind == "chat" else None
 
-    def on_text(self, rid, model, created, text: str) -> list[dict]:
+    def on_text(self, rid, model, created, text: str, index: int = 0, logprobs: dict | None = None) -> list[dict]:
         """The chunks for new answer text (a tool-call format may hold text back)."""
-        return [self.delta(rid, model, created, text)] if text else []
+        if not text and logprobs is None:
+            return []
+        return [self.delta(rid, model, created, text, index=index, logprobs=logprobs)]
 
-    def on_finish(self, rid, model, created, finish_reason: str) -> list[dict]:
-        """The chunks that end the answer; the last one carries the finish reason."""
-        return [self.delta(rid, model, created, "", finish_reason)]
+    def on_finish(self, rid, model, created, finish_reason: str, index: int = 0) -> list[dict]:
+        """The chunks that end a choice; the last one carries the finish reason."""
+        return [self.delta(rid, model, created, "", finish_reason, index=index)]
 
-    def delta(self, rid, model, created, text: str, finish_reason: str | None = None) -> dict:
+    def delta(self, rid, model, created, text: str, finish_reason: str | None = None, index: int = 0,
+              logprobs: dict | None = None) -> dict:
         if self.kind == "chat":
-            return protocol.chat_chunk(rid, model, created, {"content": text} if text else {}, finish_reason)
-        return protocol.text_chunk(rid, model, created, text, finish_reason)
+            return protocol.chat_chunk(rid, model, created, {"content": text} if text else {}, finish_reason,
+                                       index, logprobs)
+        return protocol.text_chunk(rid, model, created, text, finish_reason, index, logprobs)
 
 
 CHAT, TEXT = Format("chat"), Format("text")
 
 
-async def run_to_finish(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
-                        want_first_logprobs: bool = False) -> FinishEvent:
-    finish = None
+@dataclass
+class Answer:
+    """One choice's end and, when asked, its tokens' log-probabilities."""
+
+    finish: FinishEvent
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+async def run_choices(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
+                      want_first_logprobs: bool = False) -> list[Answer]:
+    """Every choice (``params.n``), in index order."""
+    finishes: dict[int, FinishEvent] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
     async for event in state.engine.generate(prompt, params, rid, want_first_logprobs=want_first_logprobs):
-        if isinstance(event, FinishEvent):
-            finish = event
+        if isinstance(event, TokenEvent):
+            if event.logprob is not None:
+                logprobs.setdefault(event.index, []).append(event.logprob)
+        elif isinstance(event, FinishEvent):
+            finishes[event.index] = event
+            state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
+            log_finish(state, prompt, event, rid)
         elif isinstance(event, ErrorEvent):
             raise failure(event.error)  # a 5xx (or the error's own status) with a JSON body
-    assert finish is not None
-    state.metrics.observe_finish(finish.first_token_s, finish.total_s, finish.completion_tokens)
-    return finish
+    assert len(finishes) == params.n
+    return [Answer(finishes[i], logprobs.get(i, [])) for i in range(params.n)]
+
+
+async def run_to_finish(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
+                        want_first_logprobs: bool = False) -> FinishEvent:
+    """The one choice of an n = 1 request."""
+    return (await run_choices(state, prompt, params, rid, want_first_logprobs))[0].finish
+
+
+def total_usage(finishes: list[FinishEvent]) -> dict:
+    """The prompt counted once (its blocks are shared), every choice's tokens."""
+    return protocol.usage(finishes[0].prompt_tokens, sum(f.completion_tokens for f in finishes))
 
 
 async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt,
@@ -117,15 +191,23 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     params.grammar = await compile_request_grammar(state, req, grammar)  # structured outputs (None: free text)
     rid = protocol.completion_id("chatcmpl" if fmt.kind == "chat" else "cmpl")
     grounding = bool(req.fovea and req.fovea.grounding)
+    if grounding and params.n > 1:
+        raise InvalidRequest("fovea.grounding scores one answer; send n=1 with it.", param="n")
     twin = blank_twin if grounding else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, prompt, params, rid, include_usage, grounding, twin, fmt),
+        return StreamingResponse(_stream(state, req, prompt, params, rid, include_usage, grounding, twin, fmt),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    finish = await run_to_finish(state, prompt, params, rid)
-    extra = {"grounding": await grounding_report(state, prompt, twin, finish.text)} if grounding else None
-    return JSONResponse(fmt.response(rid, state.model_name, finish, extra))
+    answers = await run_choices(state, prompt, params, rid)
+    finishes = [a.finish for a in answers]
+    extra = extension(state, req, prompt, finishes[0])
+    if grounding:
+        extra["grounding"] = await grounding_report(state, prompt, twin, finishes[0].text)
+    choices = [fmt.choice(i, a.finish, None if params.logprobs is None else
+                          LogprobFormatter(state.loaded.tokenizer, fmt.kind).format(a.logprobs))
+               for i, a in enumerate(answers)]
+    return JSONResponse(fmt.response(rid, state.model_name, choices, total_usage(finishes), extra or None))
 
 
 def _sse(payload: dict | str) -> str:
@@ -133,29 +215,42 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def _stream(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
+async def _stream(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, params: SamplingParams, rid: str,
                   include_usage: bool, grounding: bool, twin: EncodedPrompt | None,
                   fmt: Format) -> AsyncIterator[str]:
+    """Each chunk names its choice; a chunk carries the log-probabilities of the token whose text
+    it carries (a token whose text is held back for a stop string gets a chunk of its own)."""
     created, model = int(time.time()), state.model_name
-    first = fmt.first(rid, model, created)
-    if first is not None:
-        yield _sse(first)
+    formatters = [LogprobFormatter(state.loaded.tokenizer, fmt.kind) for _ in range(params.n)] \
+        if params.logprobs is not None else None
+    for index in range(params.n):
+        first = fmt.first(rid, model, created, index)
+        if first is not None:
+            yield _sse(first)
+    finishes: list[FinishEvent] = []
     async for event in state.engine.generate(prompt, params, rid):
         if isinstance(event, TokenEvent):
-            for chunk in fmt.on_text(rid, model, created, event.text):
+            logprobs = formatters[event.index].format([event.logprob]) \
+                if formatters is not None and event.logprob is not None else None
+            for chunk in fmt.on_text(rid, model, created, event.text, event.index, logprobs):
                 yield _sse(chunk)
         elif isinstance(event, FinishEvent):
             state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
-            *before, last = fmt.on_finish(rid, model, created, event.finish_reason)
+            log_finish(state, prompt, event, rid)
+            *before, last = fmt.on_finish(rid, model, created, event.finish_reason, event.index)
             for chunk in before:
                 yield _sse(chunk)
+            extra = extension(state, req, prompt, event)
             if grounding:
-                last["fovea"] = {"grounding": await grounding_report(state, prompt, twin, event.text)}
+                extra["grounding"] = await grounding_report(state, prompt, twin, event.text)
+            if extra:
+                last["fovea"] = extra
             yield _sse(last)
-            if include_usage:
+            finishes.append(event)
+            if include_usage and len(finishes) == params.n:
                 chunk = fmt.delta(rid, model, created, "")
                 chunk["choices"] = []
-                chunk["usage"] = protocol.usage(event.prompt_tokens, event.completion_tokens)
+                chunk["usage"] = total_usage(finishes)
                 yield _sse(chunk)
         elif isinstance(event, ErrorEvent):
             # The stream already began with 200: it ends with an OpenAI-style error event and

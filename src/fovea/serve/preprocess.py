@@ -64,7 +64,8 @@ def decode_videos(model: PromptCodec, media: MediaConfig, videos: list[tuple[byt
     for data, where in videos:
         try:
             out.append(decode_video_bytes(data, media, recipe.fps, recipe.min_frames, recipe.temporal_patch_size,
-                                          max_frames=min(media.max_video_frames, recipe.max_frames)))
+                                          max_frames=min(media.max_video_frames, recipe.max_frames),
+                                          sampler=getattr(recipe, "sample_indices", None)))
         except FoveaError as exc:
             exc.param = where
             raise

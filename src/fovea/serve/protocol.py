@@ -8,7 +8,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fovea.engine.sampling import MAX_LOGPROBS
+from fovea.errors import InvalidRequest
 from fovea.serve import fields
+
+MAX_N = 128  # OpenAI's limit on choices per request
 
 
 class _Lenient(BaseModel):
@@ -77,6 +81,7 @@ class FoveaOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     grounding: bool = False
+    timing: bool = False  # the response's fovea.timing: encoder latency, time to first token, tokens/s
 
 
 class SamplingFields(_Lenient):
@@ -89,11 +94,19 @@ class SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Only n=1 (chat and completions refuse more as unsupported_parameter before this check).
-    n: int = Field(default=1, ge=1, le=1, description="only n=1 is supported")
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices, sharing the prompt's KV blocks
     # vLLM's extensions, for fixed output lengths (benchmarks) and answers that must not end early.
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # vLLM's extensions.
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    # Token id (a string of digits, as JSON keys are) -> bias added to its logit.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     fovea: FoveaOptions | None = None
     # Structured outputs (checked and compiled by serve/structured.py).
     response_format: dict[str, Any] | None = None
@@ -118,6 +131,21 @@ class SamplingFields(_Lenient):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys are token ids (integers as strings); {key!r} is not one")
+        return value
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+    def top_logprobs_wanted(self) -> int | None:
+        """How many top tokens each generated token's log-probabilities carry; None: no logprobs."""
+        return None
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -127,6 +155,17 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true (as in the OpenAI API).", param="top_logprobs")
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="before")
     @classmethod
@@ -140,6 +179,11 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[str]
     images: list[str] = Field(default_factory=list, description="fovea extension: image references")
+    # Strict: `true` (chat's spelling) is refused here rather than read as 1.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, strict=True)
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="before")
     @classmethod
@@ -176,58 +220,50 @@ def completion_id(prefix: str = "chatcmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def chat_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                  completion_tokens: int, extra: dict | None = None) -> dict:
-    body = {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def text_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], usage: dict, extra: dict | None = None) -> dict:
+    body = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage}
     if extra:
         body["fovea"] = extra
     return body
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
+               index: int = 0, logprobs: dict | None = None) -> dict:
     return {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 
-def text_response(rid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-                  completion_tokens: int, extra: dict | None = None) -> dict:
-    body = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
+def text_response(rid: str, model: str, choices: list[dict], usage: dict, extra: dict | None = None) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage}
     if extra:
         body["fovea"] = extra
     return body
 
 
-def text_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None) -> dict:
+def text_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
+               index: int = 0, logprobs: dict | None = None) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
 
 

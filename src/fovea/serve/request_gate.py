@@ -22,7 +22,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+# /health: load balancers probe it without credentials. / and its script: the playground page,
+# static and secret-free; every API call it makes still needs the key.
+OPEN_PATHS = frozenset({"/health", "/", "/playground/app.js"})
 _UNAUTHORIZED = json.dumps(error_body("a valid API key is required: send 'Authorization: Bearer <key>'.",
                                       "invalid_api_key")).encode()
 

@@ -179,43 +179,47 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 class ToolFormat(Format):
     """Chat answers whose tool calls become ``tool_calls``; streamed text is held back from the
     first ``<tool_call>`` on (and while a suffix could begin one), and the calls are sent whole
-    at the end, as chunks with ``delta.tool_calls``."""
+    at the end, as chunks with ``delta.tool_calls``. One instance per request (it holds each
+    choice's streamed text)."""
 
     def __init__(self) -> None:
         super().__init__("chat")
-        self.text = ""
-        self.sent = 0  # characters of self.text already streamed as content
+        self.text: dict[int, str] = {}
+        self.sent: dict[int, int] = {}  # per choice: characters of its text already streamed as content
 
-    def response(self, rid, model, finish: FinishEvent, extra) -> dict:
-        body = super().response(rid, model, finish, extra)
+    def choice(self, index: int, finish: FinishEvent, logprobs: dict | None) -> dict:
+        body = super().choice(index, finish, logprobs)
         content, calls = parse_tool_calls(finish.text)
         if calls:
-            choice = body["choices"][0]
-            choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+            body["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
             if finish.finish_reason == "stop":
-                choice["finish_reason"] = "tool_calls"
+                body["finish_reason"] = "tool_calls"
         return body
 
-    def on_text(self, rid, model, created, text: str) -> list[dict]:
-        self.text += text
-        at = self.text.find(CALL_OPEN)
-        end = at if at >= 0 else len(self.text) - _open_prefix(self.text)
-        if end <= self.sent:
-            return []
-        piece, self.sent = self.text[self.sent:end], end
-        return [self.delta(rid, model, created, piece)]
+    def on_text(self, rid, model, created, text: str, index: int = 0, logprobs: dict | None = None) -> list[dict]:
+        full = self.text[index] = self.text.get(index, "") + text
+        sent = self.sent.get(index, 0)
+        at = full.find(CALL_OPEN)
+        end = at if at >= 0 else len(full) - _open_prefix(full)
+        if end <= sent:
+            # Held back; the token's log-probabilities still go out, with no text.
+            return [] if logprobs is None else [self.delta(rid, model, created, "", index=index, logprobs=logprobs)]
+        self.sent[index] = end
+        return [self.delta(rid, model, created, full[sent:end], index=index, logprobs=logprobs)]
 
-    def on_finish(self, rid, model, created, finish_reason: str) -> list[dict]:
-        _, calls = parse_tool_calls(self.text)
+    def on_finish(self, rid, model, created, finish_reason: str, index: int = 0) -> list[dict]:
+        full, sent = self.text.get(index, ""), self.sent.get(index, 0)
+        _, calls = parse_tool_calls(full)
         if not calls:  # no call after all: the held-back text is content
-            rest = self.text[self.sent:]
-            out = [self.delta(rid, model, created, rest)] if rest else []
-            return [*out, self.delta(rid, model, created, "", finish_reason)]
-        tail = _CALL.sub("", self.text[self.sent:]).strip()  # text between or after the calls
-        out = [self.delta(rid, model, created, tail)] if tail else []
+            rest = full[sent:]
+            out = [self.delta(rid, model, created, rest, index=index)] if rest else []
+            return [*out, self.delta(rid, model, created, "", finish_reason, index=index)]
+        tail = _CALL.sub("", full[sent:]).strip()  # text between or after the calls
+        out = [self.delta(rid, model, created, tail, index=index)] if tail else []
         for i, call in enumerate(calls):
-            out.append(protocol.chat_chunk(rid, model, created, {"tool_calls": [{"index": i, **call}]}))
-        out.append(self.delta(rid, model, created, "", "tool_calls" if finish_reason == "stop" else finish_reason))
+            out.append(protocol.chat_chunk(rid, model, created, {"tool_calls": [{"index": i, **call}]}, index=index))
+        out.append(self.delta(rid, model, created, "", "tool_calls" if finish_reason == "stop" else finish_reason,
+                              index=index))
         return out
 
 

@@ -36,7 +36,8 @@ class PromptEmbedder:
         return self.images.rows_for((seq.request.prompt for seq in seqs), errors)
 
     def fill(self, seqs: list[Sequence]) -> list[tuple[Sequence, BaseException]]:
-        """Set ``prompt_embeds`` ([prompt_len, hidden]) of each sequence; return the sequences
+        """Set ``prompt_embeds`` ([prompt_len, hidden], or [prompt_len, (1 + levels) * hidden] with
+        DeepStack features, for a prompt with images of a DeepStack model) of each sequence; return the sequences
         whose images a remote encoder could not deliver, with why (they get no embeddings).
 
         The image-token positions come from the host's copy of the prompt, so nothing here
@@ -58,6 +59,13 @@ class PromptEmbedder:
             ids, where = to_device(device, [(seq.token_ids[:seq.prompt_len], torch.long), (positions, torch.long)])
             embeds = self.llama.embed_ids(ids)
             if rows:
-                embeds[where] = torch.cat(rows).to(embeds.dtype)
+                flat = torch.cat(rows).to(embeds.dtype)
+                if flat.shape[1] != embeds.shape[1]:
+                    # DeepStack rows: the embedding, then the feature levels; text positions get
+                    # zero features (the runner adds features at image positions only).
+                    wide = embeds.new_zeros((embeds.shape[0], flat.shape[1]))
+                    wide[:, :embeds.shape[1]] = embeds
+                    embeds = wide
+                embeds[where] = flat
             seq.prompt_embeds = embeds
         return failed

@@ -19,14 +19,23 @@ import torch
 
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.image_encoder import start_worker
+from fovea.engine.paged import logprobs as token_logprobs
 from fovea.engine.paged.block_manager import BlockManager
 from fovea.engine.paged.config import PagedEngineConfig
 from fovea.engine.paged.in_flight import InFlight
+from fovea.engine.paged.logits_processors import TokenCounts, penalty_slots
 from fovea.engine.paged.model_runner import ModelRunner
 from fovea.engine.paged.sampler import sample_on_device
 from fovea.engine.paged.scheduler import Scheduler, StepPlan
 from fovea.engine.paged.sequence import SeqStatus, Sequence
-from fovea.engine.request import EngineRequest, ErrorEvent, Event, check_fits_context, submit_and_stream
+from fovea.engine.request import (
+    EngineRequest,
+    ErrorEvent,
+    Event,
+    check_fits_context,
+    check_token_ids,
+    submit_and_stream,
+)
 from fovea.engine.sampling import SamplingParams
 from fovea.engine.structured.spec import StructuredOutputError
 from fovea.errors import FoveaError, InvalidRequest
@@ -68,6 +77,9 @@ class PagedEngine:
         self._stopping = threading.Event()
         self._next_id = 0
         self._eos_ids = sorted(t for t in loaded.eos_token_ids if isinstance(t, int) and t >= 0)
+        self.vocab_size = int(self.runner.llama.lm_head.shape[0])
+        # Generated-token counts of penalised sequences, on the device (logits_processors.py).
+        self.token_counts = TokenCounts(self.vocab_size, loaded.device, penalty_slots(self.config.max_num_seqs))
         self._dead: BaseException | None = None  # set when the worker thread dies
         self._in_flight: InFlight | None = None  # the launched step whose tokens are not read yet
         self.steps = 0
@@ -121,6 +133,10 @@ class PagedEngine:
     # ---- requests -------------------------------------------------------------------
     def check_fits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
         check_fits_context(prompt, params, self.loaded.context_length, self.max_context)
+        check_token_ids(params, self.vocab_size)
+        if params.n > self.config.max_queue:
+            raise InvalidRequest(f"n={params.n} choices would not fit this server's queue of {self.config.max_queue} "
+                                 "requests (--max-queue); ask for fewer.", param="n")
 
     async def generate(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
                        want_first_logprobs: bool = False) -> AsyncIterator[Event]:
@@ -217,10 +233,12 @@ class PagedEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
+        self.token_counts.release(seq)
         seq.emit_finish(reason)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         self.scheduler.remove(seq)
+        self.token_counts.release(seq)
         seq.request.emit(ErrorEvent(exc))
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -284,10 +302,11 @@ class PagedEngine:
         try:
             logits = self.runner.execute(plan, previous)
             sampling = [c.seq for c in plan.chunks if c.sample]
-            tokens = sample_on_device(logits, sampling, self._eos_ids)
+            asked = token_logprobs.asked(logits, sampling)  # raw: before sampling changes the logits
+            tokens = sample_on_device(logits, sampling, self._eos_ids, self.token_counts)
             logprobs = {row: torch.log_softmax(logits[row], dim=-1) for row, seq in enumerate(sampling)
                         if seq.request.want_first_logprobs and seq.produced == 0 and seq.pending_row is None}
-            return InFlight.start(plan, sampling, tokens, logprobs)
+            return InFlight.start(plan, sampling, tokens, logprobs, asked.gather(tokens) if asked else None)
         except torch.OutOfMemoryError:
             raise  # the step is retried smaller (_recover_from_oom); nobody fails
         except Exception as exc:
@@ -311,13 +330,14 @@ class PagedEngine:
             return
         t1 = time.perf_counter()
         eos = self.loaded.eos_token_ids
+        asked = step.token_logprobs.by_row(tokens) if step.token_logprobs is not None else {}
         for row, (seq, token) in enumerate(zip(step.seqs, tokens)):
             if seq.status is SeqStatus.FINISHED:
                 continue  # cancelled or failed while the step ran
             if row in step.logprobs:
                 seq.request.first_logprobs = step.logprobs[row].cpu()
             try:
-                reason = seq.resolve_token(token, eos)
+                reason = seq.resolve_token(token, eos, asked.get(row))
             except StructuredOutputError as exc:  # this sequence's grammar refused it: only it fails
                 self._fail(seq, exc)
                 continue

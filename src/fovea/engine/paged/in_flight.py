@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fovea.engine.paged.logprobs import StepLogprobs
 from fovea.engine.paged.scheduler import StepPlan
 from fovea.engine.paged.sequence import Sequence
 
@@ -18,18 +19,21 @@ class InFlight:
     logprobs: dict[int, torch.Tensor]  # row -> first-token log-probabilities, for requests that asked
     host: torch.Tensor  # the tokens' copy on the host (pinned; filled asynchronously on CUDA)
     ready: torch.cuda.Event | None  # recorded after that copy
+    token_logprobs: StepLogprobs | None = None  # rows that asked for logprobs (host copies on CUDA)
 
     @staticmethod
     def start(plan: StepPlan, seqs: list[Sequence], tokens: torch.Tensor,
-              logprobs: dict[int, torch.Tensor]) -> InFlight:
-        """Queue the copy of ``tokens`` to the host behind the step's kernels."""
+              logprobs: dict[int, torch.Tensor], token_logprobs: StepLogprobs | None = None) -> InFlight:
+        """Queue the copy of ``tokens`` (and of the asked log-probabilities) to the host behind
+        the step's kernels."""
         if tokens.device.type != "cuda":
-            return InFlight(plan, seqs, tokens, logprobs, tokens, None)
+            return InFlight(plan, seqs, tokens, logprobs, tokens, None, token_logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
+        token_logprobs = token_logprobs.to_host_async() if token_logprobs is not None else None
         ready = torch.cuda.Event()
         ready.record()
-        return InFlight(plan, seqs, tokens, logprobs, host, ready)
+        return InFlight(plan, seqs, tokens, logprobs, host, ready, token_logprobs)
 
     def tokens_on_host(self) -> list[int]:
         """Wait for the step (only for it: later queued work keeps running) and read its tokens."""

@@ -1,4 +1,4 @@
-"""The Llama-style language model run by fovea over the paged KV cache (Llama, Qwen2, Qwen2.5-VL's).
+"""The Llama-style language model run by fovea over the paged KV cache (Llama, Qwen2, Qwen3, the Qwen-VLs').
 
 The parameters are the loaded transformers model's own tensors (referenced, never
 copied); only the execution is ours: a flat [tokens, hidden] batch in which decodes and
@@ -51,6 +51,9 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None = None
     gate_up: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
+    # Qwen3: RMSNorm over each q and k head before RoPE (None elsewhere).
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def fuse_rows(modules: list[torch.nn.Module], attr: str) -> torch.Tensor | None:
@@ -135,7 +138,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 # Text models with Llama's layer structure (q/k/v/o, gate/up/down, RMSNorm, SiLU, RoPE).
 # Mistral is Llama's layers with an optional sliding window (refused below where it can bite).
-LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+# Qwen3 adds a per-head RMSNorm of q and k before RoPE (``LayerWeights.q_norm``/``k_norm``).
+LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3", "qwen3_vl_text")
+
+
+def mrope_section_index(section: list[int], interleaved: bool) -> list[int]:
+    """For each rotary frequency, the position row (0 temporal, 1 height, 2 width) it rotates by.
+    Sectioned (Qwen2-VL, Qwen2.5-VL): [T..T H..H W..W]. Interleaved (Qwen3-VL): T H W T H W ...,
+    height at frequencies 1, 4, ... below 3 * section[1], width at 2, 5, ... below 3 * section[2],
+    temporal everywhere else (transformers' Qwen3VLTextRotaryEmbedding)."""
+    if not interleaved:
+        return [row for row, width in enumerate(section) for _ in range(width)]
+    out = [0] * sum(section)
+    for row, offset in ((1, 1), (2, 2)):
+        for freq in range(offset, min(3 * section[row], len(out)), 3):
+            out[freq] = row
+    return out
 
 
 def mrope_cos_sin(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -179,13 +197,18 @@ class PagedLlama:
         self.cos = emb.cos().to(self.device, self.dtype)  # [positions, head_dim]
         self.sin = emb.sin().to(self.device, self.dtype)
         self.backend = backend
+        # DeepStack (Qwen3-VL): vision features added to the image positions' hidden states
+        # after each of the first ``deepstack_layers`` decoder layers.
+        self.deepstack_layers = spec.deepstack_layers
+        if self.deepstack_layers > len(self.layers):
+            raise ModelLoadError(f"{self.deepstack_layers} DeepStack feature levels for {len(self.layers)} layers")
         self.mrope_section = spec.mrope_section
         self.section_index: torch.Tensor | None = None
         if spec.mrope_section is not None:
             if sum(spec.mrope_section) != self.head_dim // 2:
                 raise ModelLoadError(f"mrope_section {spec.mrope_section} does not cover the head's "
                                      f"{self.head_dim // 2} rotary frequencies")
-            half = [row for row, width in enumerate(spec.mrope_section) for _ in range(width)]
+            half = mrope_section_index(spec.mrope_section, spec.mrope_interleaved)
             self.section_index = torch.tensor(half + half, dtype=torch.long, device=self.device)
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -206,6 +229,9 @@ class PagedLlama:
             extra = {"qkv": fuse_rows(qkv_modules, "weight"), "qkv_bias": fuse_rows(qkv_modules, "bias"),
                      "gate_up": fuse_rows(gate_up_modules, "weight"),
                      "gate_up_bias": fuse_rows(gate_up_modules, "bias")}
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        extra["q_norm"] = q_norm.weight if q_norm is not None else None
+        extra["k_norm"] = k_norm.weight if k_norm is not None else None
         return LayerWeights(
             layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
             attn.o_proj.weight, attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias,
@@ -220,13 +246,30 @@ class PagedLlama:
         ids = token_ids.masked_fill(token_ids >= self.embed.shape[0], 0)
         return F.embedding(ids, self.embed)
 
+    def head_norms(self, q: torch.Tensor, k: torch.Tensor, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of q and k ([T, heads, D]); unchanged for other models."""
+        if w.q_norm is None:
+            return q, k
+        return rms_norm(q, w.q_norm, self.eps), rms_norm(k, w.k_norm, self.eps)
+
+    @staticmethod
+    def add_deepstack(hidden: torch.Tensor, deepstack: tuple[torch.Tensor, torch.Tensor] | None, layer: int) -> None:
+        """DeepStack: ``hidden[rows] += features[:, layer]`` in place, as transformers'
+        ``_deepstack_process`` (one add in the model dtype). ``deepstack`` is (rows [N], features
+        [N, levels, hidden]): prefill rows of prompts with images (text rows carry zero features, an
+        exact no-op); decode rows are never among them."""
+        if deepstack is not None and layer < deepstack[1].shape[1] and deepstack[0].numel():
+            rows, features = deepstack
+            hidden[rows] = hidden[rows] + features[:, layer]
+
     @torch.inference_mode()  # never let autograd record the KV-cache writes (the weights require grad)
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, cache: KVCache,
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logit_rows: torch.Tensor | None = None,
+                deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """hidden: [T, hidden] input embeddings -> logits [rows, vocab] (model dtype) of
-        ``logit_rows`` (all rows if None)."""
+        ``logit_rows`` (all rows if None). ``deepstack``: see ``add_deepstack``."""
         if self.fused:
-            return self._forward_fused(hidden, positions, meta, cache, logit_rows)
+            return self._forward_fused(hidden, positions, meta, cache, logit_rows, deepstack)
         tokens = hidden.shape[0]
         cos_table, sin_table, index = self.rope_tables(positions)
         cos = cos_table[index].unsqueeze(1)  # [T, 1, D]: broadcasts over heads
@@ -236,6 +279,7 @@ class PagedLlama:
             q = F.linear(x, w.q, w.q_bias).view(tokens, self.num_heads, self.head_dim)
             k = F.linear(x, w.k, w.k_bias).view(tokens, self.num_kv_heads, self.head_dim)
             v = F.linear(x, w.v, w.v_bias).view(tokens, self.num_kv_heads, self.head_dim)
+            q, k = self.head_norms(q, k, w)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = cache.k[index], cache.v[index]
@@ -245,12 +289,14 @@ class PagedLlama:
             x = rms_norm(hidden, w.post_norm, self.eps)
             gated = F.silu(F.linear(x, w.gate, w.gate_bias)) * F.linear(x, w.up, w.up_bias)
             hidden = hidden + F.linear(gated, w.down, w.down_bias)
+            self.add_deepstack(hidden, deepstack, index)
         if logit_rows is not None:
             hidden = hidden[logit_rows]
         return F.linear(rms_norm(hidden, self.final_norm, self.eps), self.lm_head)
 
     def _forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, cache: KVCache,
-                       logit_rows: torch.Tensor | None) -> torch.Tensor:
+                       logit_rows: torch.Tensor | None,
+                       deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The same forward with fused weights and kernels. ``hidden`` is the residual stream
         and is updated in place."""
         tokens = hidden.shape[0]
@@ -261,6 +307,11 @@ class PagedLlama:
         x = triton_ops.add_rms_norm(hidden, self.layers[0].in_norm, self.eps)
         for index, w in enumerate(self.layers):
             qkv = linear(x, w.qkv, w.qkv_bias)
+            if w.q_norm is not None:  # Qwen3: q and k heads normed in place before the rotary kernel
+                qkv[:, :q_end] = triton_ops.add_rms_norm(qkv[:, :q_end].reshape(-1, dim), w.q_norm,
+                                                         self.eps).view(tokens, -1)
+                qkv[:, q_end:k_end] = triton_ops.add_rms_norm(qkv[:, q_end:k_end].reshape(-1, dim), w.k_norm,
+                                                              self.eps).view(tokens, -1)
             k_cache, v_cache = cache.k[index], cache.v[index]
             triton_ops.rope_write_kv(qkv, positions, cos_table, sin_table, k_cache, v_cache, meta.slot_mapping,
                                      heads, kv_heads, dim)
@@ -271,6 +322,11 @@ class PagedLlama:
             o = linear(out.reshape(tokens, -1), w.o, w.o_bias)
             x = triton_ops.add_rms_norm(o, w.post_norm, self.eps, residual=hidden)
             down = linear(triton_ops.silu_mul(linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+            if deepstack is not None and index < self.deepstack_layers:
+                # The residual add, then the features (as transformers rounds), then the next norm.
+                hidden += down
+                self.add_deepstack(hidden, deepstack, index)
+                down = torch.zeros_like(down)
             if index + 1 < len(self.layers):
                 x = triton_ops.add_rms_norm(down, self.layers[index + 1].in_norm, self.eps, residual=hidden)
         if logit_rows is not None:

@@ -33,6 +33,7 @@ import torch
 
 from fovea.engine.paged import triton_ops
 from fovea.engine.paged.kv_cache import KVCache, KVShape
+from fovea.engine.paged.logits_processors import penalise, penalty_slots, token_counts_bytes
 from fovea.engine.paged.memory_plan import (
     KVRequest,
     MemoryPlan,
@@ -94,11 +95,15 @@ class Planner:
     def _caches(self) -> list[PlanLine]:
         """Lines that fill while serving: their bound, not their use."""
         r, cfg = self.runner, self.config
-        embed_bytes = r.max_prefill_tokens * r.llama.embed.shape[1] * r.llama.embed.element_size()
+        # DeepStack models hold each prompt position's feature levels beside its embedding.
+        width = r.llama.embed.shape[1] * (1 + r.llama.deepstack_layers)
+        embed_bytes = r.max_prefill_tokens * width * r.llama.embed.element_size()
         return [
             PlanLine("encoder cache", cfg.encoder_cache_bytes, "bound: image embeddings kept by content hash"),
             PlanLine("prompt embeddings", embed_bytes, f"bound: input embeddings of at most {r.max_prefill_tokens} "
                                                        "prompt tokens held while prefilling"),
+            PlanLine("penalty counts", token_counts_bytes(penalty_slots(cfg.max_num_seqs), r.llama.lm_head.shape[0]),
+                     f"bound: token counts of {penalty_slots(cfg.max_num_seqs)} penalised sequences, on first use"),
         ]
 
     def _weights(self) -> PlanLine:
@@ -205,11 +210,16 @@ class Planner:
         return vision, first, first_out, second, self._sample(second)
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """What sampling a step holds: greedy rows, a few drawn with temperature and top-p, and
-        every row's log-probabilities (as for requests that asked for them)."""
+        """What sampling a step holds: every row penalised, greedy rows, a few drawn with
+        temperature and top-p, and every row's log-probabilities (as for requests that asked)."""
         from fovea.engine.sampling import SamplingParams, sample_next_on_device
 
         generator = torch.Generator(device=logits.device).manual_seed(0)
+        # Every row penalised, as if all asked for penalties: the gathered counts and the
+        # temporaries of ``penalise`` are part of the peak (the result is dropped).
+        penalise(logits, torch.ones_like(logits, dtype=torch.int32), torch.ones_like(logits, dtype=torch.bool),
+                 torch.tensor(1.1, device=logits.device), torch.tensor(0.5, device=logits.device),
+                 torch.tensor(0.5, device=logits.device))
         params = SamplingParams(temperature=0.7, top_p=0.9)
         drawn = [sample_next_on_device(logits[i], params, generator) for i in range(min(SAMPLED_ROWS, len(logits)))]
         return logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1), drawn

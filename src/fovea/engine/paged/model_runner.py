@@ -230,6 +230,9 @@ class ModelRunner:
         spans: list[PrefillSpan] = []
         tables: list[list[int]] = []
         overrides: list[tuple[int, torch.Tensor]] = []
+        hidden_width = self.llama.embed.shape[1]
+        deep_rows: list[int] = []  # batch rows of image tokens in this step's prefill chunks (DeepStack)
+        deep_parts: list[torch.Tensor] = []
         for c in prefills:
             seq, offset = c.seq, len(ids)
             ids.extend(seq.token_ids[c.start:c.end])
@@ -247,31 +250,43 @@ class ModelRunner:
             spans.append(PrefillSpan(offset, c.length, c.start, block_ids))
             if c.start < seq.prompt_len:
                 assert seq.prompt_embeds is not None, "prompt embeddings are filled at admission"
-                overrides.append((offset, seq.prompt_embeds[c.start:min(c.end, seq.prompt_len)]))
+                embeds = seq.prompt_embeds[c.start:min(c.end, seq.prompt_len)]
+                if embeds.shape[1] != hidden_width:  # DeepStack features of this chunk's prompt rows
+                    if any(image >= 0 for image in seq.image_of_pos[c.start:c.start + embeds.shape[0]]):
+                        # The whole slice (its text rows' features are zeros, and x + 0 == x): no
+                        # device-side gather from a host index list, which would wait for the GPU.
+                        deep_rows.extend(range(offset, offset + embeds.shape[0]))
+                        deep_parts.append(embeds[:, hidden_width:])
+                    embeds = embeds[:, :hidden_width]
+                overrides.append((offset, embeds))
             if c.sample:
                 rows.append(offset + c.length - 1)
         if mrope:
             positions = rows3[0] + rows3[1] + rows3[2]  # staged flat, viewed [3, T] on the device
         arrays: list[tuple[list, torch.dtype]] = [(ids, torch.long), (positions, torch.long), (slots, torch.long),
-                                                  (rows, torch.long)]
+                                                  (rows, torch.long), (deep_rows, torch.long)]
         if batch is not None:
             arrays += [(batch.block_tables, torch.int32), (batch.context_lens, torch.int32)]
         use_prefill_kernel = bool(spans) and self.attention.batched_prefill
         if use_prefill_kernel:
             arrays += PrefillBatch.arrays(spans, tables)
         staged = to_device(device, arrays)
-        ids_t, pos_t, slots_t, rows_t = staged[:4]
+        ids_t, pos_t, slots_t, rows_t, deep_t = staged[:5]
         if mrope:
             pos_t = pos_t.view(3, -1)
         hidden = self.llama.embed_ids(resolve_pending(ids_t, previous))
         for offset, embeds in overrides:
             hidden[offset:offset + embeds.shape[0]] = embeds
         meta = AttnMeta(slot_mapping=slots_t, num_decodes=len(decodes), prefills=spans)
-        rest = staged[4:]
+        rest = staged[5:]
         if batch is not None:
             meta.block_tables, meta.context_lens = rest[0], rest[1]
             rest = rest[2:]
         if use_prefill_kernel:
             meta.prefill_batch = PrefillBatch.from_tensors(spans, *rest)
         logit_rows = None if len(rows) == len(ids) else rows_t
-        return self.llama.forward(hidden, pos_t, meta, self.cache, logit_rows).float()
+        deepstack = None
+        if deep_rows:
+            levels = self.llama.deepstack_layers
+            deepstack = (deep_t, torch.cat(deep_parts).view(len(deep_rows), levels, hidden_width))
+        return self.llama.forward(hidden, pos_t, meta, self.cache, logit_rows, deepstack).float()

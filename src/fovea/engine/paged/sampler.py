@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from fovea.engine.paged import logits_processors
+from fovea.engine.paged.logits_processors import TokenCounts
 from fovea.engine.paged.sequence import Sequence
 from fovea.engine.paged.staging import to_device
 from fovea.engine.sampling import sample_next_on_device
@@ -30,12 +32,15 @@ def block_eos_(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -
 
 
 @torch.inference_mode()  # the logits are inference tensors: masking them in place needs the mode
-def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int] | None = None) -> torch.Tensor:
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int] | None = None,
+                     counts: TokenCounts | None = None) -> torch.Tensor:
     """logits: [len(seqs), vocab] float32 -> [len(seqs)] int64 on the same device. Greedy rows
-    share one batched argmax; the others draw from their own seeded generator."""
+    share one batched argmax; the others draw from their own seeded generator. With ``counts``,
+    rows that ask for a logit bias, stop-token ids or penalties get them first."""
     if eos_ids:
         block_eos_(logits, seqs, eos_ids)
-    if any(seq.grammar is not None for seq in seqs):
+    penalised = logits_processors.apply_(logits, seqs, counts) if counts is not None else None
+    if any(seq.grammar is not None for seq in seqs):  # last: nothing after it may unmask a token
         from fovea.engine.structured.bitmask import apply_grammar_masks_  # imports xgrammar
         apply_grammar_masks_(logits, seqs)
     tokens = logits.argmax(dim=-1)
@@ -43,4 +48,6 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[i
     if drawn:
         picks = [sample_next_on_device(logits[i], seqs[i].request.params, seqs[i].generator) for i in drawn]
         tokens[to_device(logits.device, [(drawn, torch.long)])[0]] = torch.stack(picks)
+    if penalised is not None:
+        penalised.record(tokens)  # on the device: the next step's penalties see these tokens
     return tokens

@@ -176,9 +176,11 @@ class Scheduler:
         # the victim would come straight back and take the blocks it just gave up.
         while (self.waiting and budget > 0 and len(self.running) < min(self.max_seqs, self.seq_limit)
                and not plan.preempted):
-            seq = self.waiting[0]
+            seq = next((s for s in self.waiting if not self._waits_for_sibling(s)), None)
+            if seq is None:
+                break
             if blocks.blocks_for(seq.num_tokens) > blocks.num_blocks:
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 plan.rejected.append(seq)
                 continue
             if self.max_prefill_tokens is not None and held and held + seq.prompt_len > self.max_prefill_tokens:
@@ -189,7 +191,7 @@ class Scheduler:
             n = min(seq.num_tokens - start, budget, room)
             if n <= 0:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             blocks.admit(seq, hits)
             blocks.ensure(seq, start + n)
             seq.status = SeqStatus.RUNNING
@@ -197,6 +199,15 @@ class Scheduler:
             plan.chunks.append(Chunk(seq, start, n, n == seq.num_tokens - start))
             budget -= n
             held += seq.prompt_len
+
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """A choice of an n > 1 request waits while a sibling choice prefills the same prompt:
+        admitted after that prefill, it takes the prompt's full blocks from the prefix cache
+        instead of computing them again (only its last, partial block is its own)."""
+        group = seq.request.group
+        if group is None or not self.blocks.prefix_caching or (seq.prompt_len - 1) // self.blocks.block_size == 0:
+            return False
+        return any(s.request.group is group and s.num_computed < s.prompt_len for s in self.running)
 
     def on_computed(self, plan: StepPlan) -> None:
         """After the forward: advance progress and name newly filled blocks (not for sequences

@@ -9,7 +9,7 @@ import torch
 
 from fovea.engine.detokenize import IncrementalDetokenizer
 from fovea.engine.paged.staging import pending_token
-from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent
+from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent, TokenLogprob
 from fovea.engine.sampling import make_generator
 
 
@@ -69,6 +69,9 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.prompt_embeds: torch.Tensor | None = None  # [prompt_len, hidden] while prefilling
         self.generator = make_generator(request.params, device)
+        # Read per row every step: plain attributes, so rows without these options cost a read.
+        self.processed = request.params.processed  # logit bias, stop-token ids or penalties
+        self.wants_logprobs = request.params.logprobs is not None
         self.detok = IncrementalDetokenizer(tokenizer, request.params.stop)
         self.produced = 0  # sampled tokens that reached the host
         # Row of the queued step's sampled tokens that holds this sequence's next token, while
@@ -117,8 +120,10 @@ class Sequence:
         self.token_ids.append(pending_token(row))
         self.pending_row = row
 
-    def resolve_token(self, token: int, eos: set[int]) -> str | None:
-        """The in-flight token arrived: record and emit it; return a finish reason, or None to go on."""
+    def resolve_token(self, token: int, eos: set[int], logprob: TokenLogprob | None = None) -> str | None:
+        """The in-flight token arrived: record and emit it (with its log-probability, when asked);
+        return a finish reason, or None to go on. An end-of-sequence or stop token that ends the
+        answer is counted but not emitted: it is not part of the text."""
         assert self.pending_row is not None and self.token_ids[-1] == pending_token(self.pending_row)
         self.pending_row = None
         self.produced += 1
@@ -127,12 +132,13 @@ class Sequence:
             self.grammar.accept(token)  # raises StructuredOutputError for a token it refuses
         if self.first_token_s is None:
             self.first_token_s = time.perf_counter() - self.request.arrival
-        if token in eos and params.ends_on_eos(self.produced):
+        if (token in eos and params.ends_on_eos(self.produced)) or (
+                params.stop_token_ids and token in params.stop_token_ids and params.stops_checked(self.produced)):
             self.token_ids.pop()
             return "stop"
         self.token_ids[-1] = token
         text = self.detok.push(token, check_stops=params.stops_checked(self.produced))
-        self.request.emit(TokenEvent(text, token))
+        self.request.emit(TokenEvent(text, token, logprob))
         if self.detok.stopped or (self.grammar is not None and self.grammar.terminated):
             return "stop"
         if self.produced >= params.max_tokens:

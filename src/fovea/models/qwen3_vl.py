@@ -1,0 +1,369 @@
+"""Qwen3-VL: Qwen2.5-VL's dynamic resolution at 16 px patches, DeepStack, Qwen3 with interleaved M-RoPE.
+
+What it shares with Qwen2.5-VL (``fovea.models.qwen2_5_vl``): the image processor
+(``Qwen2VLImageProcessor``, now ``patch_size`` 16, so a token is 32 x 32 px), the
+``<|vision_start|><|image_pad|><|vision_end|>`` placeholder expanded to each image's token
+count, and the M-RoPE position rows of an image (t, row, column offsets from where it starts;
+the text after it resumes at start + max(rows, columns)). What differs:
+
+- **The vision tower** (transformers' ``Qwen3VLVisionModel``, run as it is): full attention in
+  every block (no windows), a learned position embedding bilinearly interpolated to each
+  image's grid, a 2x2 merger; and **DeepStack**: the hidden states after the blocks named by
+  ``deepstack_visual_indexes`` each go through their own merger. The vision stage returns, per
+  image token, the embedding and then those levels' features side by side
+  (``[tokens, (1 + levels) * hidden]``); the paged engine adds level k to the image positions'
+  hidden states after decoder layer k (``PagedLlama.add_deepstack``), in every prefill chunk that
+  holds them. Decode steps never carry image tokens.
+- **The language model** is Qwen3: per-head RMSNorm of q and k before RoPE, an explicit
+  ``head_dim``, no qkv bias; its M-RoPE frequencies are **interleaved** (T H W T H W ...,
+  ``mrope_section`` [24, 20, 20]) rather than sectioned.
+- **Videos** are frames at timestamps: each temporal patch (two frames) is written as
+  ``<t.t seconds><|vision_start|><|video_pad|><|vision_end|>`` in place of the chat template's
+  ``<|video_pad|>`` (transformers' ``Qwen3VLProcessor.replace_video_token``; the template's own
+  vision_start/end around it stay), and each such group is a (1, h, w) grid for the tower and
+  for positions, as ``get_rope_index`` splits a video's grid. Time is in the text, not in the
+  temporal position row.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
+
+from fovea.errors import InvalidRequest, ModelLoadError
+from fovea.models.base import (
+    EncodedPrompt,
+    Family,
+    ImageInput,
+    LanguageModelSpec,
+    PlaceholderMismatch,
+    check_placeholders,
+    pixel_hash,
+    tokenize_rendered,
+)
+from fovea.models.qwen2_5_vl import (
+    MAX_ASPECT,
+    VIDEO_TOKEN,
+    Qwen2_5_VLAdapter,
+    QwenCodec,
+    QwenProcessor,
+    mrope_positions,
+    read_video_config,
+)
+from fovea.models.qwen_vision_attention import grouped
+
+# Qwen3VLVideoProcessor's class defaults, for keys its config leaves out.
+VIDEO_DEFAULTS = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32, "fps": 2.0, "min_frames": 4,
+                  "max_frames": 768}
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+
+
+def video_smart_resize(frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int,
+                       max_pixels: int) -> tuple[int, int]:
+    """transformers' ``qwen3_vl`` video smart_resize: the pixel budget is over all frames."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def frame_timestamps(indices: list[int], fps: float, temporal: int) -> list[float]:
+    """Seconds of each temporal patch: the mean of its first and last frame's time, the last
+    patch padded with the last index (``Qwen3VLProcessor._calculate_timestamps``)."""
+    indices = list(indices)
+    if len(indices) % temporal:
+        indices.extend(indices[-1] for _ in range(temporal - len(indices) % temporal))
+    seconds = [i / fps for i in indices]
+    return [(seconds[i] + seconds[i + temporal - 1]) / 2 for i in range(0, len(seconds), temporal)]
+
+
+def sample_indices(total: int, source_fps: float, fps: float, max_frames: int, min_frames: int = 4,
+                   temporal_patch_size: int = 2) -> list[int]:
+    """The frame indices ``Qwen3VLVideoProcessor.sample_frames`` keeps: ``total / source_fps * fps``
+    frames within [min_frames, max_frames] and the video's own count, spread by linspace."""
+    if total <= 0:
+        return []
+    count = int(total / source_fps * fps) if source_fps > 0 else total
+    count = min(max(count, min_frames), max_frames, total)
+    return [int(i) for i in np.linspace(0, total - 1, count).round().astype(int)]
+
+
+@dataclass(frozen=True)
+class Qwen3VideoRecipe:
+    """What Qwen3VLVideoProcessor does to a video's frames, read from the model's files."""
+
+    min_pixels: int
+    max_pixels: int
+    fps: float
+    min_frames: int
+    max_frames: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    rescale_factor: float
+    token_id: int
+
+    @staticmethod
+    def sample_indices(total: int, source_fps: float, fps: float, max_frames: int, min_frames: int = 4,
+                       temporal_patch_size: int = 2) -> list[int]:
+        """How fovea.media.video samples this model's frames (decode_video_bytes' ``sampler``)."""
+        return sample_indices(total, source_fps, fps, max_frames, min_frames, temporal_patch_size)
+
+    @classmethod
+    def read(cls, path: Path, image_processor: Any, config: Any) -> Qwen3VideoRecipe:
+        raw = read_video_config(path)
+        size = raw.get("size") or {}
+
+        def get(key: str) -> Any:
+            value = size.get(key) if key in ("shortest_edge", "longest_edge") else raw.get(key)
+            return VIDEO_DEFAULTS[key] if value is None else value
+
+        return cls(min_pixels=int(get("shortest_edge")), max_pixels=int(get("longest_edge")), fps=float(get("fps")),
+                   min_frames=int(get("min_frames")), max_frames=int(get("max_frames")),
+                   patch_size=int(raw.get("patch_size") or image_processor.patch_size),
+                   temporal_patch_size=int(raw.get("temporal_patch_size") or image_processor.temporal_patch_size),
+                   merge_size=int(raw.get("merge_size") or image_processor.merge_size),
+                   mean=tuple(float(v) for v in raw.get("image_mean") or image_processor.image_mean),
+                   std=tuple(float(v) for v in raw.get("image_std") or image_processor.image_std),
+                   rescale_factor=float(raw.get("rescale_factor") or image_processor.rescale_factor),
+                   token_id=int(config.video_token_id))
+
+    def pixels(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """[t*h*w, C*T*P*P] float32 patches and the grid (t, h, w), in the video processor's layout."""
+        width, height = frames[0].size
+        if max(width, height) / max(1, min(width, height)) > MAX_ASPECT:
+            raise InvalidRequest(f"the video is {width}x{height} px: its aspect ratio is over {MAX_ASPECT}:1, which "
+                                 "this model's processor cannot tile; crop it.", code="invalid_video")
+        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
+        rh, rw = video_smart_resize(max(len(frames), tp), height, width, tp, p * m, self.min_pixels, self.max_pixels)
+        stack = np.stack([np.asarray(f.convert("RGB").resize((rw, rh), Image.Resampling.BICUBIC)) for f in frames])
+        video = torch.from_numpy(stack).permute(0, 3, 1, 2).to(torch.float32) * self.rescale_factor
+        video = (video - torch.tensor(self.mean).view(1, -1, 1, 1)) / torch.tensor(self.std).view(1, -1, 1, 1)
+        if pad := -video.shape[0] % tp:  # the last frame repeated, as the processor pads
+            video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+        frames_n, channels = video.shape[:2]
+        gt, gh, gw = frames_n // tp, rh // p, rw // p
+        patches = video.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return patches.reshape(gt * gh * gw, channels * tp * p * p), (gt, gh, gw)
+
+
+class Qwen3Codec(QwenCodec):
+    """Qwen2.5-VL's codec, with Qwen3-VL's video prompt (timestamped frame groups)."""
+
+    def frame_groups(self, video: Any) -> tuple[list[ImageInput], str]:
+        """One decoded video (fovea.media.video.DecodedVideo) as its temporal patches, each a (1, h, w)
+        image for the tower, and the text that replaces its ``<|video_pad|>``."""
+        assert self.video is not None
+        pixels, (gt, gh, gw) = self.video.pixels(video.frames)
+        pixels = pixels.to(self.dtype)
+        per_group = gh * gw
+        seconds = frame_timestamps(video.indices, video.source_fps, self.video.temporal_patch_size)
+        groups, text = [], ""
+        for index in range(gt):
+            chunk = pixels[index * per_group:(index + 1) * per_group]
+            # The rows depend on the pixels alone (the time is text): the frame's content keys the caches.
+            groups.append(ImageInput(chunk, per_group // (self.merge * self.merge), pixel_hash(chunk, (1, gh, gw)),
+                                     (1, gh, gw), seconds[index], self.video.token_id))
+            text += f"<{seconds[index]:.1f} seconds>{VISION_START}{VIDEO_TOKEN}{VISION_END}"
+        return groups, text
+
+    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
+               videos: list[Any] | None = None) -> EncodedPrompt:
+        videos = list(videos or [])
+        check_placeholders(text, self.image_token, len(images), template_rendered)
+        if videos and self.video is None:
+            raise InvalidRequest("this model's files describe no video processor", code="videos_not_supported")
+        if text.count(VIDEO_TOKEN) != len(videos):
+            raise PlaceholderMismatch(f"the prompt contains {text.count(VIDEO_TOKEN)} video placeholder(s) "
+                                      f"({VIDEO_TOKEN!r}) for {len(videos)} video(s)",
+                                      status=500 if template_rendered else 400)
+        frames: list[ImageInput] = []
+        if videos:  # each <|video_pad|> becomes the video's timestamped frame groups, in order
+            parts = text.split(VIDEO_TOKEN)
+            out = parts[0]
+            for video, rest in zip(videos, parts[1:]):
+                groups, expansion = self.frame_groups(video)
+                frames.extend(groups)
+                out += expansion + rest
+            text = out
+        kwargs = tokenize_rendered(self.tokenizer, text) if template_rendered else {}
+        ids = self.tokenizer(text, **kwargs)["input_ids"]
+        placeholders = sum(1 for t in ids if t == self.image_token_id)
+        if placeholders != len(images):
+            raise PlaceholderMismatch(
+                f"the text tokenizes to {placeholders} {self.image_token!r} token(s) for {len(images)} image(s)"
+                + ("; the text must not contain the image token itself" if not template_rendered else ""))
+        video_id = self.video.token_id if self.video is not None else None
+        if sum(1 for t in ids if t == video_id) != len(frames):
+            raise PlaceholderMismatch(f"the text tokenizes to {sum(1 for t in ids if t == video_id)} video token(s) "
+                                      f"for {len(frames)} video frame group(s)", status=500 if frames else 400)
+        if not images and not frames:
+            return EncodedPrompt(list(ids), [], text)
+        pending_images = iter(self._image_inputs(images))
+        pending_frames = iter(frames)
+        inputs, expanded = [], []
+        for token in ids:  # in prompt order; every vision slot carries the image token in the engine's ids
+            if token == self.image_token_id or (frames and token == video_id):
+                item = next(pending_images if token == self.image_token_id else pending_frames)
+                inputs.append(item)
+                expanded.extend([self.image_token_id] * item.num_tokens)
+            else:
+                expanded.append(token)
+        # Every image and frame group has t = 1: Qwen2.5-VL's image positions are Qwen3-VL's.
+        rows, delta = mrope_positions(expanded, self.image_token_id, [item.grid for item in inputs], self.merge)
+        return EncodedPrompt(expanded, inputs, text, rows, delta)
+
+    def _image_inputs(self, images: list[Image.Image]) -> list[ImageInput]:
+        if not images:
+            return []
+        pixels, grids = self._preprocess(images)
+        out, offset = [], 0
+        for grid in grids:
+            patches = grid[0] * grid[1] * grid[2]
+            chunk = pixels[offset:offset + patches]
+            offset += patches
+            out.append(ImageInput(chunk, patches // (self.merge * self.merge), pixel_hash(chunk, grid), grid))
+        if offset != pixels.shape[0]:
+            raise PlaceholderMismatch(f"the processor returned {pixels.shape[0]} patches for grids summing to {offset}",
+                                      status=500)
+        return out
+
+
+def vision_rows(out: Any) -> torch.Tensor:
+    """[tokens, (1 + levels) * hidden]: the merged embedding, then each DeepStack level's features.
+    transformers 5.x returns an output object; 4.57 returned (merged, [features per level])."""
+    if isinstance(out, tuple):
+        merged, levels = out[0], list(out[1] or [])
+    else:
+        merged, levels = out.pooler_output, list(out.deepstack_features or [])
+    return torch.cat([merged, *levels], dim=-1)
+
+
+class Qwen3_VLAdapter(Qwen2_5_VLAdapter):
+    family = Family("qwen3_vl", ("qwen3_vl",),
+                    ["Qwen3-VL: dynamic resolution at 16 px patches, DeepStack, Qwen3 language model",
+                     "interleaved M-RoPE; videos as timestamped frame groups"])
+
+    def model_class(self) -> type:
+        return Qwen3VLForConditionalGeneration
+
+    def load_processor(self, path: Path) -> QwenProcessor:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        template = path / "chat_template.jinja"
+        if not getattr(tokenizer, "chat_template", None) and template.is_file():
+            tokenizer.chat_template = template.read_text()
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        video = Qwen3VideoRecipe.read(path, image_processor, config) if getattr(config, "video_token_id", None) \
+            else None
+        return QwenProcessor(tokenizer, image_processor, video)  # type: ignore[arg-type]
+
+    def codec(self, processor: QwenProcessor, image_token_id: int, dtype: torch.dtype) -> Qwen3Codec:
+        return Qwen3Codec(processor, "<|image_pad|>", image_token_id, dtype)
+
+    def build_vision_modules(self, config: Any) -> dict[str, torch.nn.Module]:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return {"model.visual": Qwen3VLVisionModel._from_config(config.vision_config)}
+
+    def vision_forward(self, loaded: Any) -> Callable[[list[ImageInput]], list[torch.Tensor]]:
+        visual = loaded.model.model.visual
+        dtype = loaded.dtype
+
+        @torch.inference_mode()
+        def run(images: list[ImageInput]) -> list[torch.Tensor]:
+            vision_dtype = next(visual.parameters()).dtype
+            pixels = torch.cat([image.pixels for image in images]).to(vision_dtype)
+            grid = torch.tensor([image.grid for image in images], dtype=torch.long, device=pixels.device)
+            with grouped(visual):  # images of one size in one SDPA call per block
+                rows = vision_rows(visual(pixels, grid_thw=grid))
+            return list(rows.to(dtype).split([image.num_tokens for image in images]))
+
+        return run
+
+    def lm_spec(self, model: torch.nn.Module) -> LanguageModelSpec:
+        text, vision = model.config.text_config, model.config.vision_config
+        params = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        section = list(params.get("mrope_section") or [24, 20, 20])
+        levels = len(getattr(vision, "deepstack_visual_indexes", None) or [])
+        hidden = int(text.hidden_size)
+        for index, merger in enumerate(getattr(model.model.visual, "deepstack_merger_list", [])):
+            out = merger.linear_fc2.out_features
+            if out != hidden:
+                raise ModelLoadError(f"DeepStack merger {index} outputs {out} features; the language model's "
+                                     f"hidden_size is {hidden}: use the vision tower trained for this model")
+        tied = getattr(text, "tie_word_embeddings", False) or getattr(model.config, "tie_word_embeddings", False)
+        return LanguageModelSpec(model.model.language_model, None if tied else model.lm_head, text, section,
+                                 mrope_interleaved=True, deepstack_layers=levels)
+
+    def embeds_logits(self, model: torch.nn.Module, embeds: torch.Tensor, image_mask: torch.Tensor,
+                      rows: torch.Tensor, position_ids: torch.Tensor | None, keep: int) -> torch.Tensor:
+        # The rows hold the DeepStack levels beside the embedding: transformers' language model
+        # takes them as deepstack_visual_embeds (its top-level forward only derives them from pixels).
+        hidden = embeds.shape[-1]
+        rows = rows.to(embeds.dtype)
+        levels = [rows[:, hidden * (k + 1):hidden * (k + 2)] for k in range(rows.shape[-1] // hidden - 1)]
+        if rows.numel():
+            embeds[0, image_mask] = rows[:, :hidden]
+        out = model.model.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
+                                         visual_pos_masks=image_mask.unsqueeze(0) if levels else None,
+                                         deepstack_visual_embeds=levels or None)
+        return model.lm_head(out.last_hidden_state[:, -keep:])
+
+    # ---- transformers' own inputs (the reference) ------------------------------------------
+    def _token_types(self, ids: torch.Tensor, prompt: EncodedPrompt, image_token_id: int) -> torch.Tensor:
+        types = (ids == image_token_id).int()
+        for token in {i.token_id for i in prompt.images if i.token_id is not None}:
+            types[ids == token] = 2
+        return types
+
+    def reference_positions(self, model: torch.nn.Module, prompt: EncodedPrompt,
+                            image_token_id: int) -> tuple[list[list[int]], int] | None:
+        ids = torch.tensor([self.reference_ids(prompt, image_token_id)])
+        images, videos = self._split(prompt)
+        grid = torch.tensor([image.grid for image in images]) if images else None
+        video_grid = torch.tensor([video.grid for video in videos]) if videos else None
+        try:
+            rows, delta = model.model.get_rope_index(ids, mm_token_type_ids=self._token_types(ids, prompt, image_token_id),
+                                                     image_grid_thw=grid, video_grid_thw=video_grid)
+        except TypeError:  # transformers before the mm_token_type_ids argument
+            rows, delta = model.model.get_rope_index(ids, image_grid_thw=grid, video_grid_thw=video_grid)
+        return rows[:, 0].tolist(), int(delta)
+
+    def reference_inputs(self, prompt: EncodedPrompt, device: torch.device, image_token_id: int) -> dict[str, Any]:
+        if not prompt.images:
+            return {}
+        images, videos = self._split(prompt)
+        inputs: dict[str, Any] = {}
+        if images:
+            inputs["pixel_values"] = torch.cat([image.pixels for image in images]).to(device)
+            inputs["image_grid_thw"] = torch.tensor([image.grid for image in images], device=device)
+        if videos:  # each frame group as a one-patch video: transformers splits a video's grid so too
+            inputs["pixel_values_videos"] = torch.cat([video.pixels for video in videos]).to(device)
+            inputs["video_grid_thw"] = torch.tensor([video.grid for video in videos], device=device)
+        if "mm_token_type_ids" in inspect.signature(Qwen3VLForConditionalGeneration.forward).parameters:
+            ids = torch.tensor(self.reference_ids(prompt, image_token_id), device=device)
+            inputs["mm_token_type_ids"] = self._token_types(ids, prompt, image_token_id).unsqueeze(0)
+        return inputs
+

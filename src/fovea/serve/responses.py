@@ -1,0 +1,211 @@
+"""POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}.
+
+The input becomes the same chat-template prompt and goes through the same image path as
+/v1/chat/completions (``load_image_bytes``: the sources, limits and error codes of chat's
+``image_url`` parts); only the shapes around it differ. A response is kept only when asked
+(``store: true``), in a bounded store (serve/responses_store.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
+from fovea.engine.sampling import SamplingParams
+from fovea.errors import FoveaError, InvalidRequest
+from fovea.media.errors import ImageNotFound
+from fovea.media.store import is_image_id
+from fovea.model.prompt import EncodedPrompt, render_chat
+from fovea.serve.chat import (
+    check_model_name,
+    load_image_bytes,
+    refuse_typed_placeholder,
+    refuse_typed_video_token,
+)
+from fovea.serve.fields import UnsupportedParameter
+from fovea.serve.generation import failure, run_to_finish, sampling_params
+from fovea.serve.protocol import SamplingFields
+from fovea.serve.responses_api import (
+    EventWriter,
+    InputImage,
+    ResponsesRequest,
+    message_item,
+    new_id,
+    output_text,
+    response_object,
+)
+from fovea.serve.responses_store import ResponseStore, Turn
+from fovea.serve.state import ServerState
+
+FROM_PREVIOUS = "previous_response_id"  # the request path named for a refusal in a stored turn
+
+
+def input_turns(req: ResponsesRequest) -> list[Turn]:
+    """The request's input as conversation turns; each part keeps its request path in ``where``."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": [{"type": "text", "text": req.input, "where": "input"}]}]
+    turns = []
+    for i, message in enumerate(req.input):
+        if isinstance(message.content, str):
+            turns.append({"role": message.role, "content": [{"type": "text", "text": message.content,
+                                                             "where": f"input[{i}].content"}]})
+            continue
+        parts = []
+        for j, part in enumerate(message.content):
+            where = f"input[{i}].content[{j}]"
+            if isinstance(part, InputImage):
+                if message.role != "user":
+                    raise InvalidRequest(f"input[{i}] is a {message.role} message; images may only be sent in user "
+                                         "messages.", param=where)
+                parts.append({"type": "image", "ref": image_ref(part, where), "where": where})
+            else:
+                parts.append({"type": "text", "text": part.text, "where": f"{where}.text"})
+        turns.append({"role": message.role, "content": parts})
+    return turns
+
+
+def image_ref(part: InputImage, where: str) -> str:
+    if (part.image_url is None) == (part.file_id is None):
+        raise InvalidRequest(f"{where} must carry exactly one of image_url and file_id.", param=where)
+    if part.file_id is not None and not is_image_id(part.file_id):
+        raise ImageNotFound(f"file_id {part.file_id[:80]!r} is not an image uploaded to this server: fovea's file ids "
+                            "are the img-... ids that POST /v1/images returns.", param=f"{where}.file_id")
+    return part.file_id or part.image_url  # type: ignore[return-value]
+
+
+def template_messages(state: ServerState, instructions: str | None, turns: list[Turn]
+                      ) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """transformers-style messages plus the (image reference, request path) of each image."""
+    image_token = state.loaded.image_token
+    messages: list[dict[str, Any]] = []
+    if instructions:
+        refuse_typed_placeholder(instructions, image_token, "instructions")
+        refuse_typed_video_token(state, instructions, "instructions")
+        messages.append({"role": "system", "content": instructions})
+    refs: list[tuple[str, str]] = []
+    for turn in turns:
+        parts: list[dict[str, Any]] = []
+        for part in turn["content"]:
+            where = part.get("where", FROM_PREVIOUS)
+            if part["type"] == "image":
+                refs.append((part["ref"], where))
+                parts.append({"type": "image"})
+            else:
+                refuse_typed_placeholder(part["text"], image_token, where)
+                refuse_typed_video_token(state, part["text"], where)
+                parts.append({"type": "text", "text": part["text"]})
+        one_text = len(parts) == 1 and parts[0]["type"] == "text"
+        messages.append({"role": turn["role"], "content": parts[0]["text"] if one_text else parts})
+    return messages, refs
+
+
+def stored_turns(turns: list[Turn]) -> list[Turn]:
+    """Turns as the store keeps them: without this request's paths."""
+    return [{"role": t["role"], "content": [{k: v for k, v in p.items() if k != "where"} for p in t["content"]]}
+            for t in turns]
+
+
+def remap_max_tokens(error: FoveaError) -> FoveaError:
+    if error.param == "max_tokens":  # the engine's name for this endpoint's max_output_tokens
+        error.param = "max_output_tokens"
+        error.message = error.message.replace("max_tokens", "max_output_tokens")
+    return error
+
+
+def make_responses_router(state: ServerState, store: ResponseStore | None = None) -> APIRouter:
+    router = APIRouter()
+    store = store if store is not None else ResponseStore()
+
+    @router.post("/v1/responses")
+    async def create(req: ResponsesRequest):
+        check_model_name(state, req.model)
+        history = store.get(req.previous_response_id, FROM_PREVIOUS).conversation if req.previous_response_id else []
+        turns = [*history, *input_turns(req)]
+        if req.store:
+            store.check_fits(turns)
+        messages, refs = template_messages(state, req.instructions, turns)
+        images = await load_image_bytes(state, refs)
+        prompt, _ = await state.preprocessor.prompts(render_chat(state.loaded, messages), images)
+        params = sampling_params(state, SamplingFields(max_tokens=req.max_output_tokens, temperature=req.temperature,
+                                                       top_p=req.top_p), prompt)
+        try:
+            state.engine.check_fits(prompt, params)  # 400 before any streaming starts
+        except FoveaError as exc:
+            raise remap_max_tokens(exc) from None
+        run = Run(state, store, req, turns, params)
+        if req.stream:
+            return StreamingResponse(run.stream(prompt), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        finish = await run_to_finish(state, prompt, params, run.rid)
+        return JSONResponse(run.finished(finish))
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request):
+        for name in request.query_params:  # include, stream, starting_after, include_obfuscation
+            raise UnsupportedParameter(f"GET /v1/responses/{{id}} takes no query parameters here; {name!r} is not "
+                                       "supported (fovea has no background responses to stream again).", param=name)
+        return JSONResponse(store.get(response_id).body)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str):
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return router
+
+
+class Run:
+    """One response being made: its ids, the settings it echoes, and what it stores at the end."""
+
+    def __init__(self, state: ServerState, store: ResponseStore, req: ResponsesRequest, turns: list[Turn],
+                 params: SamplingParams) -> None:
+        self.state, self.store, self.req, self.turns = state, store, req, turns
+        self.rid, self.item_id, self.created = new_id("resp"), new_id("msg"), time.time()
+        self.temperature, self.top_p = params.temperature, params.top_p
+        self.params = params
+
+    def body(self, **kw: Any) -> dict[str, Any]:
+        return response_object(self.rid, self.req, self.state.model_name, self.created, self.temperature,
+                               self.top_p, **kw)
+
+    def finished(self, finish: FinishEvent) -> dict[str, Any]:
+        """The final Response object; stored when asked."""
+        status = "completed" if finish.finish_reason == "stop" else "incomplete"
+        body = self.body(status=status, output=[message_item(self.item_id, status, finish.text)],
+                         usage=(finish.prompt_tokens, finish.completion_tokens))
+        if self.req.store:
+            answer = {"role": "assistant", "content": [{"type": "text", "text": finish.text}]}
+            self.store.put(self.rid, body, [*stored_turns(self.turns), answer])
+        return body
+
+    async def stream(self, prompt: EncodedPrompt) -> AsyncIterator[str]:
+        event, state, item_id = EventWriter(), self.state, self.item_id
+        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        yield event("response.created", response=self.body())
+        yield event("response.in_progress", response=self.body())
+        yield event("response.output_item.added", output_index=0, item=message_item(item_id, "in_progress", None))
+        yield event("response.content_part.added", **where, part=output_text(""))
+        async for update in state.engine.generate(prompt, self.params, self.rid):
+            if isinstance(update, TokenEvent):
+                if update.text:
+                    yield event("response.output_text.delta", **where, delta=update.text, logprobs=[])
+            elif isinstance(update, FinishEvent):
+                state.metrics.observe_finish(update.first_token_s, update.total_s, update.completion_tokens)
+                body = self.finished(update)
+                yield event("response.output_text.done", **where, text=update.text, logprobs=[])
+                yield event("response.content_part.done", **where, part=output_text(update.text))
+                yield event("response.output_item.done", output_index=0, item=body["output"][0])
+                yield event(f"response.{body['status']}", response=body)  # completed | incomplete
+            elif isinstance(update, ErrorEvent):
+                # The stream began with 200: it ends with an error event and response.failed, and
+                # no response.completed, so a cut answer never looks finished.
+                error = failure(update.error)
+                state.metrics.observe_error_code(error.code)
+                yield event("error", code=error.code, message=error.message, param=error.param)
+                yield event("response.failed", response=self.body(
+                    status="failed", error={"code": error.code, "message": error.message}))

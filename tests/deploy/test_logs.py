@@ -1,0 +1,70 @@
+"""--log-format json: every line a request causes carries its id, which the response returns."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import httpx
+import pytest
+from scene_helpers import data_url, fresh_scene
+
+from fovea import logs
+from fovea.cli import build_parser
+from fovea.demo import scenes
+
+
+@pytest.fixture()
+def json_log():
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, logging.getLogger("uvicorn.access").disabled
+    buffer = io.StringIO()
+    logs.configure("info", "json", stream=buffer)
+    yield buffer
+    root.handlers[:], level, logging.getLogger("uvicorn.access").disabled = saved
+    root.setLevel(level)
+
+
+def lines(buffer: io.StringIO) -> list[dict]:
+    return [json.loads(line) for line in buffer.getvalue().splitlines()]
+
+
+def ask(base: str, url: str, **headers) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", headers=headers, timeout=60, json={
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": "How many shapes are there?"}]}]})
+
+
+def test_a_refusal_and_an_answer_are_tied_to_their_request_ids(live_server, json_log):
+    bad = ask(live_server.base_url, "data:image/png;base64,AAAA", **{"X-Request-Id": "client-id-7"})
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "client-id-7"
+    good = ask(live_server.base_url, data_url(scenes.render(fresh_scene(77))), **{"X-Request-Id": "bad id with spaces"})
+    assert good.status_code == 200
+    rid = good.headers["x-request-id"]
+    assert rid.startswith("req-") and rid != "client-id-7"  # an unusable client id is replaced
+
+    records = lines(json_log)
+    access = [r for r in records if r["logger"] == "fovea.access"]
+    refused = next(r for r in access if r.get("request_id") == "client-id-7")
+    assert refused["status"] == 400 and refused["error_code"] == "invalid_image"
+    assert refused["path"] == "/v1/chat/completions"
+    mine = [r for r in records if r.get("request_id") == rid]
+    assert {r["logger"] for r in mine} >= {"fovea.access", "fovea.request"}
+    finished = next(r for r in mine if r["logger"] == "fovea.request")
+    assert finished["completion_tokens"] >= 1 and finished["images_encoded"] == 1 and finished["encoder_ms"] > 0
+
+
+def test_log_flags_are_checked():
+    args = build_parser().parse_args(["--log-level", "DEBUG", "--log-format", "json", "doctor"])
+    assert (args.log_level, args.log_format) == ("debug", "json")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--log-format", "xml", "doctor"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--log-level", "loud", "doctor"])
+
+
+def test_text_format_appends_the_request_id():
+    record = logging.LogRecord("fovea.x", logging.INFO, __file__, 1, "hello", None, None)
+    record.request_id = "req-1"
+    assert logs.TextFormatter().format(record).endswith("fovea.x: hello [req-1]")
