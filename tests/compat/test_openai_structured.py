@@ -142,3 +142,14 @@ def test_demo_model_cannot_spell_json(live_server):
     reply = demo.chat.completions.create(model="fovea-shapes", messages=user("Is there a circle?", image=True),
                                          extra_body={"guided_choice": ["yes", "no"]})
     assert reply.choices[0].message.content in ("yes", "no") and reply.choices[0].finish_reason == "stop"
+
+
+def test_every_choice_of_n_validates(client):
+    """Each choice has its own matcher over the one compiled grammar."""
+    reply = chat(client, user("Who?", image=True), response_format=schema_format("person"), n=3, temperature=1.0,
+                 seed=5)
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        valid(choice.message.content, PERSON)
+    assert len({c.message.content for c in reply.choices}) > 1  # sampled apart, each valid

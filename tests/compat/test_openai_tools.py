@@ -111,3 +111,19 @@ def test_auto_without_parallel_calls_makes_at_most_one(client):
         assert len(calls) <= 1
         for call in calls:
             check_call(call)
+
+
+def test_streamed_calls_of_n_choices(client):
+    stream = ask(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, stream=True, n=2,
+                 temperature=1.0, seed=3)
+    calls, finish = {}, {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                calls.setdefault(choice.index, []).append(delta)
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"} and sorted(calls) == [0, 1]
+    for deltas in calls.values():
+        assert len(deltas) == 1
+        check_call(deltas[0])
