@@ -221,3 +221,25 @@ def test_a_tokenizer_larger_than_the_lm_head_turns_structured_outputs_off(model,
 
     assert build_grammar_compiler(model, len(model.tokenizer) - 1) is None
     assert "structured outputs are off" in caplog.text
+
+
+def test_length_bounded_strings_are_json(model, compiler):
+    """xgrammar 0.2.9 lets raw control characters into length-bounded strings; the schema is
+    rewritten so every answer parses (json.loads refuses them) and still validates."""
+    schema = {"type": "object", "properties": {"tag": {"type": "string", "maxLength": 6},
+                                               "ids": {"type": "array", "items": {"type": "string", "minLength": 1,
+                                                                                  "maxLength": 3}, "maxItems": 3}},
+              "required": ["tag", "ids"], "additionalProperties": False}
+    grammar = compiler.get_now(GrammarSpec.json_schema(schema, "s"))
+    engine = PagedEngine(model, PagedEngineConfig(num_blocks=256))
+    engine.start()
+    try:
+        async def all_of():
+            return await asyncio.gather(*(run(engine, prompt(model, f"t{i}", image=False), SamplingParams(
+                max_tokens=80, temperature=1.0, seed=i, grammar=grammar)) for i in range(6)))
+
+        for _, finish in asyncio.run(all_of()):
+            assert finish.finish_reason == "stop"
+            jsonschema.validate(json.loads(finish.text), schema)
+    finally:
+        engine.stop()

@@ -110,7 +110,8 @@ class GrammarCompiler:
     def _compile_source(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         # Compact JSON (no free whitespace): a model cannot pad an answer with endless blanks.
         if spec.kind == "json_schema":
-            return self._xgr.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+            schema = json.dumps(bounded_strings(json.loads(spec.source)))
+            return self._xgr.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
         if spec.kind == "json_object":  # OpenAI's JSON mode: any JSON object
             return self._xgr.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if spec.kind == "regex":
@@ -123,6 +124,23 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def bounded_strings(node: Any) -> Any:
+    """The schema with each length-bounded string (minLength/maxLength, no pattern or format)
+    as a pattern of that many plain characters. xgrammar 0.2.9 compiles a length bound to a rule
+    that lets raw control characters through, which is not JSON; the pattern excludes them (and
+    escape sequences, which such strings then cannot hold)."""
+    if isinstance(node, list):
+        return [bounded_strings(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: bounded_strings(v) for k, v in node.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if bounded and out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & set(out):
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{"" if high is None else int(high)}}}$'
+    return out
 
 
 def check_satisfiable(compiled: xgr.CompiledGrammar, spec: GrammarSpec, vocab_size: int) -> None:
