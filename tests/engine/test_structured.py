@@ -243,3 +243,25 @@ def test_length_bounded_strings_are_json(model, compiler):
             jsonschema.validate(json.loads(finish.text), schema)
     finally:
         engine.stop()
+
+
+def test_device_path_falls_back_to_torch_when_triton_fails(model, compiler, monkeypatch):
+    from fovea.engine.structured import bitmask
+
+    real = xgr.apply_token_bitmask_inplace
+
+    def triton_broken(*args, backend="auto", **kwargs):
+        if backend == "auto":
+            raise RuntimeError("triton: no compiler here")
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(bitmask.xgr, "apply_token_bitmask_inplace", triton_broken)
+    monkeypatch.setattr(bitmask, "_device_backend", "auto")
+    state = GrammarState(compiler.get_now(GrammarSpec("regex", "[0-9]+", "r")))
+    compact = torch.full(xgr.get_bitmask_shape(1, compiler.vocab_size), -1, dtype=torch.int32)
+    state.fill(compact, 0)
+    logits = torch.zeros(2, compiler.vocab_size)
+    bitmask.apply_staged_(logits, compact, [1])
+    assert bitmask._device_backend == "torch_native"
+    assert (~torch.isinf(logits[1])).nonzero().flatten().tolist() == sorted(
+        model.tokenizer.convert_tokens_to_ids(list("0123456789")))

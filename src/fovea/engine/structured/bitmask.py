@@ -8,6 +8,7 @@ pinned memory, queued behind the step's forward like the rest of the step's inpu
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence as Seq
 
@@ -15,6 +16,9 @@ import torch
 import xgrammar as xgr
 
 from fovea.engine.paged.staging import to_device
+
+log = logging.getLogger("fovea.engine.structured")
+_device_backend = "auto"  # xgrammar picks Triton on CUDA; "torch_native" once that failed here
 
 PARALLEL_FILL_ROWS = 16  # from this many structured rows on, masks are filled on several threads
 _batch_matcher: xgr.BatchGrammarMatcher | None = None
@@ -67,4 +71,15 @@ def apply_staged_(logits: torch.Tensor, compact: torch.Tensor, rows: list[int]) 
     index = to_device(logits.device, [(rows, torch.int32)])[0]
     full = torch.empty((logits.shape[0], compact.shape[-1]), dtype=torch.int32, device=logits.device)
     full.index_copy_(0, index.long(), compact.to(logits.device, non_blocking=True))
-    xgr.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[-1], indices=index)
+    global _device_backend
+    try:
+        xgr.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[-1], indices=index,
+                                        backend=_device_backend)
+    except (ImportError, RuntimeError) as exc:  # xgrammar's Triton kernel could not build here
+        if _device_backend == "torch_native" or isinstance(exc, torch.OutOfMemoryError):
+            raise
+        log.warning("xgrammar's Triton mask kernel failed (%s: %s); masking with torch from now on",
+                    type(exc).__name__, exc)
+        _device_backend = "torch_native"
+        xgr.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[-1], indices=index,
+                                        backend=_device_backend)
