@@ -319,7 +319,14 @@ for fname, values in {
     "top_p": [0, -0.5, 1.01, "all"],
     "max_tokens": [0, -1, 1.5, "ten"],
     "max_completion_tokens": [0, -3],
-    "n": [0],
+    "n": [0, 129, "two"],
+    "top_logprobs": [21, -1],
+    "top_k": [-2],
+    "min_p": [1.5],
+    "presence_penalty": [2.5],
+    "frequency_penalty": [-3],
+    "repetition_penalty": [0],
+    "stop_token_ids": [[-1]],
     "seed": ["abc", 1.5],
     "stop": [["a", "b", "c", "d", "e"], [""], "", 5, [1]],
     "stream": [[1], {"on": True}],
@@ -328,11 +335,12 @@ for fname, values in {
     "model": [5],
 }.items():
     for value in values:
-        param = {"fovea": ANY, "stop": "stop[0]" if value == [1] else "stop"}.get(fname, fname)
+        param = {"fovea": ANY, "stop": "stop[0]" if value == [1] else "stop",
+                 "stop_token_ids": "stop_token_ids[0]"}.get(fname, fname)
         add(f"chat-{fname}-{value!r}", "POST", CHAT, 400, "invalid_request", param, json=hi(**{fname: value}))
-for fname, value, param in [("n", 2, "n"), ("n", 16, "n"), ("fovea", {"unknown": 1}, "fovea.unknown"),
+for fname, value, param in [("fovea", {"unknown": 1}, "fovea.unknown"),
                             ("stream_options", {"continuous_usage_stats": True}, "stream_options.continuous_usage_stats"),
-                            ("top_k", 5, "top_k"), ("logprobs", True, "logprobs"), ("not_a_field", 1, "not_a_field")]:
+                            ("audio", {"voice": "alloy"}, "audio"), ("not_a_field", 1, "not_a_field")]:
     body = hi(**{fname: value}, **({"stream": True} if fname == "stream_options" else {}))
     add(f"chat-{fname}-{value!r}", "POST", CHAT, 400, "unsupported_parameter", param, json=body)
 add("chat-fovea-grounding-not-bool", "POST", CHAT, 400, "invalid_request", "fovea.grounding",
@@ -377,7 +385,9 @@ for name, body, status, code, param in [
     ("unknown-model", {"prompt": "hello", "model": "gpt-3.5-turbo-instruct"}, 404, "model_not_found", "model"),
     ("temperature-high", {"prompt": "hello", "temperature": 3}, 400, "invalid_request", "temperature"),
     ("top-p-zero", {"prompt": "hello", "top_p": 0}, 400, "invalid_request", "top_p"),
-    ("n-two", {"prompt": "hello", "n": 2}, 400, "unsupported_parameter", "n"),
+    ("n-too-many", {"prompt": "hello", "n": 129}, 400, "invalid_request", "n"),
+    ("logprobs-true", {"prompt": "hello", "logprobs": True}, 400, "invalid_request", "logprobs"),
+    ("logprobs-21", {"prompt": "hello", "logprobs": 21}, 400, "invalid_request", "logprobs"),
     ("messages-field", {"prompt": "hello", "messages": []}, 400, "unsupported_parameter", "messages"),
     ("stop-five", {"prompt": "hello", "stop": list("abcde")}, 400, "invalid_request", "stop"),
     ("max-tokens-past-context", {"prompt": "hello", "max_tokens": 100_000}, 400, "context_length_exceeded",
@@ -402,7 +412,8 @@ for name, body, status, code, param in [
     ("temperature-negative", {"prompt": "hello", "temperature": -1}, 400, "invalid_request", "temperature"),
     ("top-p-over", {"prompt": "hello", "top_p": 2}, 400, "invalid_request", "top_p"),
     ("max-tokens-zero", {"prompt": "hello", "max_tokens": 0}, 400, "invalid_request", "max_tokens"),
-    ("n-three", {"prompt": "hello", "n": 3}, 400, "unsupported_parameter", "n"),
+    ("n-zero", {"prompt": "hello", "n": 0}, 400, "invalid_request", "n"),
+    ("logprobs", {"prompt": "hello", "logprobs": 1}, 400, "unsupported_parameter", "logprobs"),
     ("max-tokens-past-context", {"prompt": "hello", "max_tokens": 100_000}, 400, "context_length_exceeded",
      "max_tokens"),
 ]:
