@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import tempfile
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import torch
 from PIL import Image
 
 from fovea.engine.paged import PagedEngine, PagedEngineConfig
@@ -34,6 +36,12 @@ from fovea.engine.structured import bitmask
 from fovea.engine.structured.compiler import GrammarCompiler
 from fovea.engine.structured.spec import GrammarSpec
 from fovea.model.loader import load_model
+
+
+def free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def model_dir(name: str, tmp: Path) -> Path | None:
@@ -138,9 +146,13 @@ def main() -> int:
         probe_7b_vocab()
         return 0
     rows = []
+    loaded, loaded_name = None, None
     with tempfile.TemporaryDirectory() as tmp:
         for name, overlap in [(m, o) for m in args.model for o in args.overlap]:
-            loaded = load_model(model_dir(name, Path(tmp)), device=args.device, dtype=args.dtype)
+            if loaded_name != name:  # each model loaded once, for all its overlap settings
+                loaded, loaded_name = None, name
+                free_device_memory()
+                loaded = load_model(model_dir(name, Path(tmp)), device=args.device, dtype=args.dtype)
             engine = PagedEngine(loaded, PagedEngineConfig(overlap_steps={"auto": None, "on": True,
                                                                           "off": False}[overlap]))
             engine.start()
@@ -161,6 +173,8 @@ def main() -> int:
                                  "compile_ms": compile_ms, **best})
             finally:
                 engine.stop()
+                engine = None
+                free_device_memory()  # each engine plans most of the GPU: the last one's must be gone
     head = ("model", "overlap", "rows", "tok_s", "free_row_tok_s", "structured_row_tok_s", "mask_ms_per_step",
             "sat_out", "compile_ms")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
