@@ -72,8 +72,9 @@ def main() -> int:
     items = payloads(args.images, 576, 4096)
     variants = {"per image (land_each, one checksum per image)": lambda it, d: handoff.land_each(it, d, batched=False),
                 "batched (one copy, one checksum kernel per batch)": lambda it, d: handoff.land_each(it, d, batched=True)}
-    for fn in variants.values():
+    for name, fn in variants.items():
         fn(items, "cuda")  # warm-up (and the kernel's compilation)
+        print(f"{name}: warmed up", flush=True)
     rows = []
     for name, fn in variants.items():
         alone = time_landing(fn, items, args.reps)
@@ -92,6 +93,8 @@ def main() -> int:
                     t.join()
             sys.setswitchinterval(0.005)
         rows.append((name, alone, loaded[0.005], loaded[0.0005]))
+        print(f"{name}: alone {1e3 * alone:.3f}, busy 5 ms {1e3 * loaded[0.005]:.3f}, busy 0.5 ms "
+              f"{1e3 * loaded[0.0005]:.3f} ms per image", flush=True)
     print(f"\n{args.images} images of 576 x 4096 bf16 (4.7 MB), ms per image, median of {args.reps}")
     print("| landing | alone | 2 busy Python threads, 5 ms switch | same, 0.5 ms switch |")
     print("|---|---|---|---|")
