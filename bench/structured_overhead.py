@@ -10,8 +10,10 @@ the grammar ``[a-z]+`` (a regex every vocabulary can follow), so the cost measur
 not a different answer length. Prompts are encoded beforehand; only the engine is timed.
 
 Columns: all rows' tokens/s; the free-text rows' and the structured rows' tokens/s each (per
-row); host seconds per step spent filling and applying masks; steps a structured row sat out
-because its previous token was still in flight (only with overlap_steps, i.e. on CUDA).
+row); host milliseconds per step spent filling and applying masks, and on CUDA the device
+milliseconds of what that queues (events, read after the run: nothing synchronises in a step);
+steps a structured row sat out because its previous token was still in flight (only with
+overlap_steps, i.e. on CUDA).
 """
 
 from __future__ import annotations
@@ -54,25 +56,41 @@ def model_dir(name: str, tmp: Path) -> Path | None:
 
 
 class MaskTimer:
-    """Wall seconds inside apply_grammar_masks_ (the sampler imports it from the module per call)."""
+    """Host seconds inside apply_grammar_masks_ (the sampler imports it from the module per call),
+    and on CUDA the device time of the work it queues, from events read after the run. Nothing
+    here synchronises inside a step: a first version called torch.cuda.synchronize after each
+    mask, which waited for the step in flight and so removed the overlap it meant to measure
+    (its GPU figures are kept in docs/logs/gpu-structured-overhead-2026-12-01.log, as flawed)."""
 
     def __init__(self) -> None:
         self.seconds, self.calls, self._real = 0.0, 0, bitmask.apply_grammar_masks_
+        self.events: list = []
 
     def __enter__(self) -> MaskTimer:  # noqa: PYI034
         def timed(logits, seqs):
+            on_cuda = logits.device.type == "cuda"
+            if on_cuda:
+                begin = torch.cuda.Event(enable_timing=True)
+                begin.record()
             t0 = time.perf_counter()
             self._real(logits, seqs)
-            if logits.device.type == "cuda":
-                import torch
-                torch.cuda.synchronize(logits.device)  # the mask's copy and kernel, not just their launch
             self.seconds += time.perf_counter() - t0
             self.calls += 1
+            if on_cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.events.append((begin, end))
         bitmask.apply_grammar_masks_ = timed
         return self
 
     def __exit__(self, *exc) -> None:
         bitmask.apply_grammar_masks_ = self._real
+
+    def device_ms_per_call(self) -> float:
+        if not self.events:
+            return float("nan")
+        self.events[-1][1].synchronize()
+        return sum(b.elapsed_time(e) for b, e in self.events) / len(self.events)
 
 
 async def timed_request(engine, prompt, params) -> tuple[int, float]:
@@ -104,6 +122,7 @@ def run_case(engine, prompt, grammar, batch: int, structured: int, tokens: int) 
             "free_row_tok_s": sum(free) / len(free) if free else float("nan"),
             "structured_row_tok_s": sum(done) / len(done) if done else float("nan"),
             "mask_ms_per_step": 1e3 * masks.seconds / max(1, masks.calls),
+            "mask_device_ms_per_step": masks.device_ms_per_call(),
             "sat_out": engine.scheduler.structured_waits - waits}
 
 
@@ -176,7 +195,7 @@ def main() -> int:
                 engine = None
                 free_device_memory()  # each engine plans most of the GPU: the last one's must be gone
     head = ("model", "overlap", "rows", "tok_s", "free_row_tok_s", "structured_row_tok_s", "mask_ms_per_step",
-            "sat_out", "compile_ms")
+            "mask_device_ms_per_step", "sat_out", "compile_ms")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for row in rows:
         cells = [f"{row[h]:.1f}" if isinstance(row[h], float) else str(row[h]) for h in head]
