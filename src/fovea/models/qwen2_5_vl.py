@@ -114,8 +114,10 @@ def read_video_config(path: Path) -> dict:
 
 
 @dataclass(frozen=True)
-class VideoRecipe:
-    """What Qwen2VLVideoProcessor does to a video's frames, read from the model's files."""
+class FrameRecipe:
+    """What a Qwen video processor does to a video's frames, read from the model's files: the
+    part Qwen2.5-VL and Qwen3-VL share. Each family's recipe reads its files and sizes the frames
+    its own way (``read``, ``resized``)."""
 
     min_pixels: int
     max_pixels: int
@@ -129,7 +131,36 @@ class VideoRecipe:
     std: tuple[float, ...]
     rescale_factor: float
     token_id: int
-    tokens_per_second: float
+
+    def resized(self, frames: int, height: int, width: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def pixels(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """[t*h*w, C*T*P*P] float32 patches and the grid (t, h, w), in the video processor's layout."""
+        width, height = frames[0].size
+        if max(width, height) / max(1, min(width, height)) > MAX_ASPECT:
+            raise InvalidRequest(f"the video is {width}x{height} px: its aspect ratio is over {MAX_ASPECT}:1, which "
+                                 "this model's processor cannot tile; crop it.", code="invalid_video")
+        rh, rw = self.resized(len(frames), height, width)
+        stack = np.stack([np.asarray(f.convert("RGB").resize((rw, rh), Image.Resampling.BICUBIC)) for f in frames])
+        video = torch.from_numpy(stack).permute(0, 3, 1, 2).to(torch.float32) * self.rescale_factor
+        mean = torch.tensor(self.mean).view(1, -1, 1, 1)
+        std = torch.tensor(self.std).view(1, -1, 1, 1)
+        video = (video - mean) / std
+        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
+        if pad := -video.shape[0] % tp:  # the last frame repeated, as the processor pads
+            video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+        frames_n, channels = video.shape[:2]
+        gt, gh, gw = frames_n // tp, rh // p, rw // p
+        patches = video.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return patches.reshape(gt * gh * gw, channels * tp * p * p), (gt, gh, gw)
+
+
+@dataclass(frozen=True)
+class VideoRecipe(FrameRecipe):
+    """What Qwen2VLVideoProcessor does to a video's frames (its frames resized as images are)."""
+
+    tokens_per_second: float = 0.0
 
     @classmethod
     def read(cls, path: Path, image_processor: Any, config: Any) -> VideoRecipe:
@@ -156,26 +187,8 @@ class VideoRecipe:
                    token_id=int(config.video_token_id),
                    tokens_per_second=float(config.vision_config.tokens_per_second))
 
-    def pixels(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """[t*h*w, C*T*P*P] float32 patches and the grid (t, h, w), in Qwen2VLVideoProcessor's layout."""
-        width, height = frames[0].size
-        if max(width, height) / max(1, min(width, height)) > MAX_ASPECT:
-            raise InvalidRequest(f"the video is {width}x{height} px: its aspect ratio is over {MAX_ASPECT}:1, which "
-                                 "this model's processor cannot tile; crop it.", code="invalid_video")
-        factor = self.patch_size * self.merge_size
-        rh, rw = smart_resize(height, width, factor, self.min_pixels, self.max_pixels)
-        stack = np.stack([np.asarray(f.convert("RGB").resize((rw, rh), Image.Resampling.BICUBIC)) for f in frames])
-        video = torch.from_numpy(stack).permute(0, 3, 1, 2).to(torch.float32) * self.rescale_factor
-        mean = torch.tensor(self.mean).view(1, -1, 1, 1)
-        std = torch.tensor(self.std).view(1, -1, 1, 1)
-        video = (video - mean) / std
-        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
-        if pad := -video.shape[0] % tp:  # the last frame repeated, as the processor pads
-            video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
-        frames_n, channels = video.shape[:2]
-        gt, gh, gw = frames_n // tp, rh // p, rw // p
-        patches = video.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return patches.reshape(gt * gh * gw, channels * tp * p * p), (gt, gh, gw)
+    def resized(self, frames: int, height: int, width: int) -> tuple[int, int]:
+        return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
 
 
 @dataclass

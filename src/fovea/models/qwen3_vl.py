@@ -51,8 +51,8 @@ from fovea.models.base import (
     tokenize_rendered,
 )
 from fovea.models.qwen2_5_vl import (
-    MAX_ASPECT,
     VIDEO_TOKEN,
+    FrameRecipe,
     Qwen2_5_VLAdapter,
     QwenCodec,
     QwenProcessor,
@@ -108,21 +108,8 @@ def sample_indices(total: int, source_fps: float, fps: float, max_frames: int, m
 
 
 @dataclass(frozen=True)
-class Qwen3VideoRecipe:
-    """What Qwen3VLVideoProcessor does to a video's frames, read from the model's files."""
-
-    min_pixels: int
-    max_pixels: int
-    fps: float
-    min_frames: int
-    max_frames: int
-    patch_size: int
-    temporal_patch_size: int
-    merge_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    rescale_factor: float
-    token_id: int
+class Qwen3VideoRecipe(FrameRecipe):
+    """What Qwen3VLVideoProcessor does to a video's frames (its own resize, over the frame count too)."""
 
     @staticmethod
     def sample_indices(total: int, source_fps: float, fps: float, max_frames: int, min_frames: int = 4,
@@ -149,23 +136,9 @@ class Qwen3VideoRecipe:
                    rescale_factor=float(raw.get("rescale_factor") or image_processor.rescale_factor),
                    token_id=int(config.video_token_id))
 
-    def pixels(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """[t*h*w, C*T*P*P] float32 patches and the grid (t, h, w), in the video processor's layout."""
-        width, height = frames[0].size
-        if max(width, height) / max(1, min(width, height)) > MAX_ASPECT:
-            raise InvalidRequest(f"the video is {width}x{height} px: its aspect ratio is over {MAX_ASPECT}:1, which "
-                                 "this model's processor cannot tile; crop it.", code="invalid_video")
-        tp, p, m = self.temporal_patch_size, self.patch_size, self.merge_size
-        rh, rw = video_smart_resize(max(len(frames), tp), height, width, tp, p * m, self.min_pixels, self.max_pixels)
-        stack = np.stack([np.asarray(f.convert("RGB").resize((rw, rh), Image.Resampling.BICUBIC)) for f in frames])
-        video = torch.from_numpy(stack).permute(0, 3, 1, 2).to(torch.float32) * self.rescale_factor
-        video = (video - torch.tensor(self.mean).view(1, -1, 1, 1)) / torch.tensor(self.std).view(1, -1, 1, 1)
-        if pad := -video.shape[0] % tp:  # the last frame repeated, as the processor pads
-            video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
-        frames_n, channels = video.shape[:2]
-        gt, gh, gw = frames_n // tp, rh // p, rw // p
-        patches = video.reshape(gt, tp, channels, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return patches.reshape(gt * gh * gw, channels * tp * p * p), (gt, gh, gw)
+    def resized(self, frames: int, height: int, width: int) -> tuple[int, int]:
+        tp, factor = self.temporal_patch_size, self.patch_size * self.merge_size
+        return video_smart_resize(max(frames, tp), height, width, tp, factor, self.min_pixels, self.max_pixels)
 
 
 class Qwen3Codec(QwenCodec):
