@@ -373,6 +373,8 @@ class Qwen2_5_VLAdapter(ModelAdapter):
                     ["Qwen2.5-VL: dynamic resolution, window-attention ViT, Qwen2 language model with M-RoPE"])
     recipe_fields = RECIPE_FIELDS
     normalisation_fields = NORMALISATION_FIELDS
+    video_recipe: type[FrameRecipe] = VideoRecipe  # what the family's video processor does
+    codec_class: type[QwenCodec] = QwenCodec
 
     def model_class(self) -> type:
         return Qwen2_5_VLForConditionalGeneration
@@ -386,11 +388,12 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        video = VideoRecipe.read(path, image_processor, config) if getattr(config, "video_token_id", None) else None
-        return QwenProcessor(tokenizer, image_processor, video)
+        video = self.video_recipe.read(path, image_processor, config) if getattr(config, "video_token_id", None) \
+            else None
+        return QwenProcessor(tokenizer, image_processor, video)  # type: ignore[arg-type]
 
     def codec(self, processor: QwenProcessor, image_token_id: int, dtype: torch.dtype) -> QwenCodec:
-        return QwenCodec(processor, "<|image_pad|>", image_token_id, dtype)
+        return self.codec_class(processor, "<|image_pad|>", image_token_id, dtype)
 
     def image_token(self, processor: Any, config: Any) -> tuple[str, int]:
         return "<|image_pad|>", int(config.image_token_id)
@@ -415,11 +418,15 @@ class Qwen2_5_VLAdapter(ModelAdapter):
             pixels = torch.cat([image.pixels for image in images]).to(vision_dtype)
             grid = torch.tensor([image.grid for image in images], dtype=torch.long, device=pixels.device)
             with grouped(visual):  # windows and images of one size in one SDPA call each
-                out = visual(pixels, grid_thw=grid)
-            rows = out if isinstance(out, torch.Tensor) else out.pooler_output
+                rows = self.vision_rows(visual(pixels, grid_thw=grid))
             return list(rows.to(dtype).split([image.num_tokens for image in images]))
 
         return run
+
+    @staticmethod
+    def vision_rows(out: Any) -> torch.Tensor:
+        """The tower's output as one row per image token (transformers 5.x returns an object)."""
+        return out if isinstance(out, torch.Tensor) else out.pooler_output
 
     def dummy_images(self, config: Any, codec: PromptCodec | None, count: int) -> list[ImageInput]:
         assert codec is not None, "the largest image comes from the processor's max_pixels"

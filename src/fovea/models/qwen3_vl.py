@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
+from transformers import Qwen3VLForConditionalGeneration
 
 from fovea.errors import InvalidRequest, ModelLoadError
 from fovea.models.base import (
@@ -55,11 +54,9 @@ from fovea.models.qwen2_5_vl import (
     FrameRecipe,
     Qwen2_5_VLAdapter,
     QwenCodec,
-    QwenProcessor,
     mrope_positions,
     read_video_config,
 )
-from fovea.models.qwen_vision_attention import grouped
 
 # Qwen3VLVideoProcessor's class defaults, for keys its config leaves out.
 VIDEO_DEFAULTS = {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32, "fps": 2.0, "min_frames": 4,
@@ -237,43 +234,20 @@ class Qwen3_VLAdapter(Qwen2_5_VLAdapter):
     family = Family("qwen3_vl", ("qwen3_vl",),
                     ["Qwen3-VL: dynamic resolution at 16 px patches, DeepStack, Qwen3 language model",
                      "interleaved M-RoPE; videos as timestamped frame groups"])
+    video_recipe = Qwen3VideoRecipe
+    codec_class = Qwen3Codec
 
     def model_class(self) -> type:
         return Qwen3VLForConditionalGeneration
-
-    def load_processor(self, path: Path) -> QwenProcessor:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
-        template = path / "chat_template.jinja"
-        if not getattr(tokenizer, "chat_template", None) and template.is_file():
-            tokenizer.chat_template = template.read_text()
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        video = Qwen3VideoRecipe.read(path, image_processor, config) if getattr(config, "video_token_id", None) \
-            else None
-        return QwenProcessor(tokenizer, image_processor, video)  # type: ignore[arg-type]
-
-    def codec(self, processor: QwenProcessor, image_token_id: int, dtype: torch.dtype) -> Qwen3Codec:
-        return Qwen3Codec(processor, "<|image_pad|>", image_token_id, dtype)
 
     def build_vision_modules(self, config: Any) -> dict[str, torch.nn.Module]:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
         return {"model.visual": Qwen3VLVisionModel._from_config(config.vision_config)}
 
-    def vision_forward(self, loaded: Any) -> Callable[[list[ImageInput]], list[torch.Tensor]]:
-        visual = loaded.model.model.visual
-        dtype = loaded.dtype
-
-        @torch.inference_mode()
-        def run(images: list[ImageInput]) -> list[torch.Tensor]:
-            vision_dtype = next(visual.parameters()).dtype
-            pixels = torch.cat([image.pixels for image in images]).to(vision_dtype)
-            grid = torch.tensor([image.grid for image in images], dtype=torch.long, device=pixels.device)
-            with grouped(visual):  # images of one size in one SDPA call per block
-                rows = vision_rows(visual(pixels, grid_thw=grid))
-            return list(rows.to(dtype).split([image.num_tokens for image in images]))
-
-        return run
+    @staticmethod
+    def vision_rows(out: Any) -> torch.Tensor:
+        return vision_rows(out)
 
     def lm_spec(self, model: torch.nn.Module) -> LanguageModelSpec:
         text, vision = model.config.text_config, model.config.vision_config
