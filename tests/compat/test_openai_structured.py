@@ -153,3 +153,23 @@ def test_every_choice_of_n_validates(client):
         assert choice.finish_reason == "stop"
         valid(choice.message.content, PERSON)
     assert len({c.message.content for c in reply.choices}) > 1  # sampled apart, each valid
+
+
+def test_responses_text_format_json_schema_answers_validate(client):
+    """The Responses API's text.format goes through the same grammars (with an image, streamed too)."""
+    from structured_helpers import image_url
+
+    content = [{"type": "input_image", "image_url": image_url()}, {"type": "input_text", "text": "Describe it."}]
+    fmt = {"format": {"type": "json_schema", "name": "shape", "schema": SHAPE, "strict": True}}
+    for seed_temperature in (0.0, 1.0):
+        response = client.responses.create(model=_model(client), input=[{"role": "user", "content": content}],
+                                           text=fmt, max_output_tokens=120, temperature=seed_temperature)
+        assert response.status == "completed", response
+        valid(response.output_text, SHAPE)
+        assert response.text.format.type == "json_schema"
+    with client.responses.stream(model=_model(client), input="Who?", max_output_tokens=120,
+                                 text={"format": {"type": "json_object"}}) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed" and "".join(deltas) == final.output_text
+    assert isinstance(json.loads(final.output_text), dict)

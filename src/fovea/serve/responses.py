@@ -41,6 +41,7 @@ from fovea.serve.responses_api import (
 )
 from fovea.serve.responses_store import ResponseStore, Turn
 from fovea.serve.state import ServerState
+from fovea.serve.structured import compile_spec, text_format_grammar
 
 FROM_PREVIOUS = "previous_response_id"  # the request path named for a refusal in a stored turn
 
@@ -133,6 +134,7 @@ def make_responses_router(state: ServerState, store: ResponseStore | None = None
         prompt, _ = await state.preprocessor.prompts(render_chat(state.loaded, messages), images)
         params = sampling_params(state, SamplingFields(max_tokens=req.max_output_tokens, temperature=req.temperature,
                                                        top_p=req.top_p), prompt)
+        params.grammar = await compile_spec(state, text_format_grammar(req.text))  # None: free text
         try:
             state.engine.check_fits(prompt, params)  # 400 before any streaming starts
         except FoveaError as exc:

@@ -65,6 +65,7 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": ...}: structured outputs (serve/structured.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -120,7 +121,8 @@ def response_object(rid: str, req: ResponsesRequest, model: str, created: float,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
         "output": output or [], "parallel_tool_calls": bool(req.parallel_tool_calls),
         "previous_response_id": req.previous_response_id, "temperature": temperature, "top_p": top_p,
-        "tool_choice": req.tool_choice or "none", "tools": [], "text": {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice or "none", "tools": [],
+        "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "truncation": "disabled", "background": False, "service_tier": "default", "store": req.store,
         "metadata": req.metadata or {}, "user": req.user, "safety_identifier": req.safety_identifier,
         "prompt_cache_key": req.prompt_cache_key, "reasoning": None,

@@ -76,8 +76,10 @@ FIELDS: tuple[Field, ...] = (
            example=True),
     _field("truncation", NOOP, "only `\"disabled\"`: an input too long for the context is a 400 "
            "`context_length_exceeded`, never cut", values=lambda v: v == "disabled", example="auto"),
-    _field("text", NOOP, "only `{}` or `{\"format\": {\"type\": \"text\"}}`: fovea has no structured outputs "
-           "here", values=lambda v: v in ({}, {"format": {"type": "text"}}),
+    _field("text", HONOURED, "`{\"format\": {\"type\": \"json_schema\", \"name\", \"schema\", \"strict\"}}` or "
+           "`{\"type\": \"json_object\"}`: structured outputs, as chat's `response_format` "
+           "(docs/structured-outputs.md); `{\"type\": \"text\"}` is free text; `verbosity` is refused",
+           values=lambda v: isinstance(v, dict) and v.get("verbosity") is not None,
            example={"format": {"type": "json_object"}}),
     _field("include", NOOP, "only `[]`: fovea has no extra output data (log-probabilities, tool results) to add",
            values=lambda v: v == [], example=["message.output_text.logprobs"]),

@@ -117,6 +117,40 @@ def requested_grammar(req: Any) -> GrammarSpec | None:
     return spec
 
 
+def text_format_grammar(text: Any) -> GrammarSpec | None:
+    """The Responses API's ``text``: ``{"format": {"type": "text"}}`` (None: free text),
+    ``{"type": "json_object"}``, or ``{"type": "json_schema", "name", "schema", "strict",
+    "description"}`` (flat, unlike chat's ``response_format``)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise InvalidRequest("text must be an object: {\"format\": {...}}.", param="text")
+    if text.get("verbosity") is not None:
+        raise InvalidRequest("text.verbosity is not supported: the served models have no verbosity setting; leave "
+                             "it out.", code="unsupported_parameter", param="text.verbosity")
+    unknown = set(text) - {"format", "verbosity"}
+    if unknown:
+        raise InvalidRequest(f"text takes format (and verbosity), not {sorted(unknown)}.",
+                             code="unsupported_parameter", param="text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text" and set(fmt) == {"type"}:
+        return None
+    if kind == "json_object" and set(fmt) == {"type"}:
+        return GrammarSpec("json_object", "", "text.format")
+    if kind == "json_schema":
+        unknown = set(fmt) - {"type", "name", "schema", "strict", "description"}
+        if unknown or "schema" not in fmt or not isinstance(fmt.get("name"), str):
+            raise InvalidRequest("text.format of type json_schema takes {\"type\": \"json_schema\", \"name\": ..., "
+                                 "\"schema\": {...}, \"strict\": ..., \"description\": ...}"
+                                 + (f", not {sorted(unknown)}" if unknown else "") + ".", param="text.format")
+        return _schema(fmt["schema"], "text.format.schema")
+    raise InvalidRequest("text.format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                         "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}.", param="text.format")
+
+
 async def compile_request_grammar(state: Any, req: Any, added: GrammarSpec | None = None) -> Any:
     """The compiled grammar for ``req`` (None: free text), compiled off the event loop and cached;
     ``added``: the endpoint's own (tool calls), which excludes the request's."""
@@ -126,6 +160,11 @@ async def compile_request_grammar(state: Any, req: Any, added: GrammarSpec | Non
             raise InvalidRequest(f"{spec.param} cannot be combined with tools: send one or the other.",
                                  code="conflicting_structured_outputs", param=spec.param)
         spec = added
+    return await compile_spec(state, spec)
+
+
+async def compile_spec(state: Any, spec: GrammarSpec | None) -> Any:
+    """``spec`` compiled (cached, off the event loop); None stays None (free text)."""
     if spec is None:
         return None
     if state.grammars is None:
