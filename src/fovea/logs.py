@@ -67,10 +67,28 @@ class TextFormatter(logging.Formatter):
         return f"{line} [{rid}]" if rid else line
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is written, not when the handler was made
+    (as logging's own last-resort handler does): an embedding program or a test runner that
+    swaps stderr, then closes the old one, gets no 'I/O operation on closed file' from threads
+    that log later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # (StreamHandler's __init__ sets it)
+
+
 def configure(level: str = "info", fmt: str = "text", who: str | None = None, stream: Any = None) -> None:
     """Set up the root logger (and uvicorn's, which fovea's access lines replace) once per process."""
     formatter = JsonFormatter(who) if fmt == "json" else TextFormatter(who)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else StderrHandler()
     handler.setFormatter(formatter)
     handler.addFilter(RequestIdFilter())
     root = logging.getLogger()

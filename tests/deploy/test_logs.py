@@ -68,3 +68,21 @@ def test_text_format_appends_the_request_id():
     record = logging.LogRecord("fovea.x", logging.INFO, __file__, 1, "hello", None, None)
     record.request_id = "req-1"
     assert logs.TextFormatter().format(record).endswith("fovea.x: hello [req-1]")
+
+
+def test_the_default_handler_writes_to_the_stderr_of_the_moment(monkeypatch):
+    """Threads that log after stderr was swapped (and the old one closed) write to the new one."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    first, second = io.StringIO(), io.StringIO()
+    try:
+        monkeypatch.setattr("sys.stderr", first)
+        logs.configure("info", "text")
+        logging.getLogger("fovea.test").info("before")
+        first.close()
+        monkeypatch.setattr("sys.stderr", second)
+        logging.getLogger("fovea.test").info("after")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+    assert "after" in second.getvalue() and "before" not in second.getvalue()
