@@ -85,4 +85,5 @@ def test_the_default_handler_writes_to_the_stderr_of_the_moment(monkeypatch):
     finally:
         root.handlers[:], level = saved
         root.setLevel(level)
-    assert "after" in second.getvalue() and "before" not in second.getvalue()
+    written = second.getvalue()
+    assert "INFO fovea.test: after" in written and "Logging error" not in written and "before" not in written
