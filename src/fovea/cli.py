@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "that load only the vision weights (docs/disaggregation.md)")
     serve.add_argument("--encode-workers", type=positive_int, default=None,
                        help="e_pd: encode-worker processes (default 1)")
+    serve.add_argument("--encode-device", default=None,
+                       help="e_pd: the encode workers' device, e.g. cuda:1 while --device is cuda:0 (default: "
+                            "--device); the rows cross through pinned host memory, checksummed")
     serve.add_argument("--ray-address", default=None,
                        help="e_pd: run the encode workers as actors on this Ray cluster (host:port, or 'local' "
                             "to start one here); default: processes on this machine")
@@ -230,6 +233,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
             model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             served_model_name=args.served_model_name, engine=args.engine, topology=args.topology,
             encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, ray_address=args.ray_address,
+            encode_device=args.encode_device,
             pd_workers=None if pd_worker else args.pd_workers,
             pd_timeout_s=None if pd_worker else args.pd_timeout,
             encode_addresses=tuple(args.internal_encode_socket), encode_authkey=encode_key,

@@ -26,6 +26,9 @@ class ServerSettings:
     topology: str = "agg"
     encode_workers: int | None = None  # e_pd; None: 1
     encode_timeout_s: float | None = None  # e_pd: a worker that holds a batch longer is restarted; None: 60 s
+    # e_pd: the encode workers' device (e.g. cuda:1 beside a PD worker on cuda:0); None: the PD
+    # worker's --device. The hand-off goes through pinned host memory either way (disagg/wire.py).
+    encode_device: str | None = None
     ray_address: str | None = None  # e_pd: encode workers as actors on this Ray cluster ("local": start one)
     # e_pd: prefill/decode worker processes; set, this process is only a front that routes HTTP to
     # them and supervises them and the encode workers they share (fovea.front). None: it serves.
@@ -74,6 +77,12 @@ class ServerSettings:
             raise ValueError(f"--topology must be agg or e_pd, not {self.topology!r}")
         if self.topology == "agg" and (self.encode_workers is not None or self.encode_timeout_s is not None):
             raise ValueError("--encode-workers and --encode-timeout place encode workers: they need --topology e_pd")
+        if self.topology == "agg" and self.encode_device is not None:
+            raise ValueError("--encode-device places the encode workers: it needs --topology e_pd (in agg the "
+                             "vision tower runs on --device with the language model)")
+        if self.encode_device is not None and self.ray_address is not None:
+            raise ValueError("--encode-device places local encode workers; on Ray the actors' own GPUs serve: "
+                             "drop one of the two")
         if self.encode_workers is not None and self.encode_workers < 1:
             raise ValueError("--encode-workers must be at least 1")
         if self.ray_address is not None and self.topology != "e_pd":

@@ -225,7 +225,7 @@ def run_front(settings: ServerSettings, argv: list[str], log_level: str) -> int:
     encode_key, internal_key = secrets.token_bytes(32), secrets.token_urlsafe(32)
     model = str(settings.model) if settings.model is not None else None
     encoders = EncodeFleet(settings.encode_workers or 1, encode_key,
-                           (model, settings.device, settings.dtype, settings.vision_batch_size,
+                           (model, settings.encode_device or settings.device, settings.dtype, settings.vision_batch_size,
                             SWITCH[settings.fused_vision], log_level))
     fleet = PdFleet(settings.pd_workers, argv, encoders.sockets, internal_key, encode_key,
                     hung_after_s=settings.pd_timeout_s or HUNG_AFTER_S)

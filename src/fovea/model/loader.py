@@ -66,9 +66,10 @@ def default_model_dir() -> Path:
     return DEMO_MODEL_DIR
 
 
-def resolve_device(name: str = "auto") -> torch.device:
+def resolve_device(name: str = "auto", flag: str = "--device") -> torch.device:
     """The device to load on, with a concrete index for CUDA: tensors report ``cuda:0``, never
-    ``cuda``, so comparing a tensor's device with this one must not depend on how it was spelt."""
+    ``cuda``, so comparing a tensor's device with this one must not depend on how it was spelt.
+    ``flag``: the option that asked for it, named in the errors."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
@@ -76,15 +77,15 @@ def resolve_device(name: str = "auto") -> torch.device:
         return device
     if not torch.cuda.is_available():
         raise ModelLoadError(
-            f"--device {name} was asked for but torch sees no CUDA GPU "
+            f"{flag} {name} was asked for but torch sees no CUDA GPU "
             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}). "
-            "Run `fovea doctor` to see why, or use --device cpu."
+            f"Run `fovea doctor` to see why, or use {flag} cpu."
         )
     if device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     if device.index >= torch.cuda.device_count():
         raise ModelLoadError(
-            f"--device {name} was asked for but torch sees {torch.cuda.device_count()} CUDA GPU(s) "
+            f"{flag} {name} was asked for but torch sees {torch.cuda.device_count()} CUDA GPU(s) "
             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}). Pick one of those, or check CUDA_VISIBLE_DEVICES."
         )
     return device

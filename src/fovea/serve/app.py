@@ -87,9 +87,11 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
 
         # The workers run the vision stage agg would run here (the fused one on a GPU for
         # models of 1 B parameters or more), so both topologies give the same rows.
-        fused = engine_config.resolved(loaded.device, loaded.context_length,
+        encode_device = (resolve_device(settings.encode_device, "--encode-device") if settings.encode_device
+                         else loaded.device)
+        fused = engine_config.resolved(encode_device, loaded.context_length,
                                        sum(p.numel() for p in loaded.model.parameters())).fused_vision
-        pool = EncoderPool(loaded.path, workers=settings.encode_workers or 1, device=str(loaded.device),
+        pool = EncoderPool(loaded.path, workers=settings.encode_workers or 1, device=str(encode_device),
                            dtype=str(loaded.dtype).removeprefix("torch."), model_id=contract.model_fingerprint,
                            recipe_fingerprint=contract.recipe_fingerprint, hidden=vision_row_width(loaded),
                            timeout_s=settings.encode_timeout_s or 60.0, ray_address=settings.ray_address,
