@@ -302,6 +302,19 @@ class QwenCodec(PromptCodec):
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
         return out["pixel_values"].to(self.dtype), grids
 
+    def check_media(self, text: str, images: list[Image.Image], videos: list[Any] | None,
+                    template_rendered: bool) -> list[Any]:
+        """The prompt's image and video placeholders against what came with it: the videos, as a list."""
+        videos = list(videos or [])
+        check_placeholders(text, self.image_token, len(images), template_rendered)
+        if videos and self.video is None:
+            raise InvalidRequest("this model's files describe no video processor", code="videos_not_supported")
+        if text.count(VIDEO_TOKEN) != len(videos):
+            raise PlaceholderMismatch(f"the prompt contains {text.count(VIDEO_TOKEN)} video placeholder(s) "
+                                      f"({VIDEO_TOKEN!r}) for {len(videos)} video(s)",
+                                      status=500 if template_rendered else 400)
+        return videos
+
     def _video_input(self, video: Any) -> ImageInput:
         """One decoded video (fovea.media.video.DecodedVideo) as the tower takes it."""
         assert self.video is not None
@@ -315,14 +328,7 @@ class QwenCodec(PromptCodec):
 
     def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
                videos: list[Any] | None = None) -> EncodedPrompt:
-        videos = list(videos or [])
-        check_placeholders(text, self.image_token, len(images), template_rendered)
-        if videos and self.video is None:
-            raise InvalidRequest("this model's files describe no video processor", code="videos_not_supported")
-        if text.count(VIDEO_TOKEN) != len(videos):
-            raise PlaceholderMismatch(f"the prompt contains {text.count(VIDEO_TOKEN)} video placeholder(s) "
-                                      f"({VIDEO_TOKEN!r}) for {len(videos)} video(s)",
-                                      status=500 if template_rendered else 400)
+        videos = self.check_media(text, images, videos, template_rendered)
         kwargs = tokenize_rendered(self.tokenizer, text) if template_rendered else {}
         ids = self.tokenizer(text, **kwargs)["input_ids"]
         placeholders = sum(1 for t in ids if t == self.image_token_id)

@@ -38,14 +38,13 @@ import torch
 from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration
 
-from fovea.errors import InvalidRequest, ModelLoadError
+from fovea.errors import ModelLoadError
 from fovea.models.base import (
     EncodedPrompt,
     Family,
     ImageInput,
     LanguageModelSpec,
     PlaceholderMismatch,
-    check_placeholders,
     pixel_hash,
     tokenize_rendered,
 )
@@ -160,14 +159,7 @@ class Qwen3Codec(QwenCodec):
 
     def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
                videos: list[Any] | None = None) -> EncodedPrompt:
-        videos = list(videos or [])
-        check_placeholders(text, self.image_token, len(images), template_rendered)
-        if videos and self.video is None:
-            raise InvalidRequest("this model's files describe no video processor", code="videos_not_supported")
-        if text.count(VIDEO_TOKEN) != len(videos):
-            raise PlaceholderMismatch(f"the prompt contains {text.count(VIDEO_TOKEN)} video placeholder(s) "
-                                      f"({VIDEO_TOKEN!r}) for {len(videos)} video(s)",
-                                      status=500 if template_rendered else 400)
+        videos = self.check_media(text, images, videos, template_rendered)
         frames: list[ImageInput] = []
         if videos:  # each <|video_pad|> becomes the video's timestamped frame groups, in order
             parts = text.split(VIDEO_TOKEN)
