@@ -497,15 +497,21 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         images, videos = self._split(prompt)
         grid = torch.tensor([image.grid for image in images]) if images else None
         video_grid = torch.tensor([video.grid for video in videos]) if videos else None
-        seconds = torch.tensor([video.seconds_per_grid for video in videos]) if videos else None
+        timing = self.video_timing(videos, torch.device("cpu"))
         try:
             rows, delta = model.model.get_rope_index(ids, mm_token_type_ids=self._token_types(ids, prompt, image_token_id),
-                                                     image_grid_thw=grid, video_grid_thw=video_grid,
-                                                     second_per_grid_ts=seconds)
+                                                     image_grid_thw=grid, video_grid_thw=video_grid, **timing)
         except TypeError:  # transformers before the mm_token_type_ids argument
-            rows, delta = model.model.get_rope_index(ids, image_grid_thw=grid, video_grid_thw=video_grid,
-                                                     second_per_grid_ts=seconds)
+            rows, delta = model.model.get_rope_index(ids, image_grid_thw=grid, video_grid_thw=video_grid, **timing)
         return rows[:, 0].tolist(), int(delta)
+
+    @staticmethod
+    def video_timing(videos: list[ImageInput], device: torch.device) -> dict[str, Any]:
+        """What transformers takes about the videos' time beside their grids: Qwen2.5-VL's
+        seconds per temporal patch (Qwen3-VL puts time in the prompt's text instead)."""
+        if not videos:
+            return {}
+        return {"second_per_grid_ts": torch.tensor([video.seconds_per_grid for video in videos], device=device)}
 
     def reference_inputs(self, prompt: EncodedPrompt, device: torch.device, image_token_id: int) -> dict[str, Any]:
         if not prompt.images:
@@ -518,8 +524,8 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         if videos:
             inputs["pixel_values_videos"] = torch.cat([video.pixels for video in videos]).to(device)
             inputs["video_grid_thw"] = torch.tensor([video.grid for video in videos], device=device)
-            inputs["second_per_grid_ts"] = torch.tensor([video.seconds_per_grid for video in videos], device=device)
-        forward = inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters
+            inputs.update(self.video_timing(videos, device))
+        forward = inspect.signature(self.model_class().forward).parameters
         if "mm_token_type_ids" in forward:  # transformers >= 5.2x computes M-RoPE from it
             ids = torch.tensor(self.reference_ids(prompt, image_token_id), device=device)
             inputs["mm_token_type_ids"] = self._token_types(ids, prompt, image_token_id).unsqueeze(0)

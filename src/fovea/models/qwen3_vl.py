@@ -27,7 +27,6 @@ the text after it resumes at start + max(rows, columns)). What differs:
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,39 +269,7 @@ class Qwen3_VLAdapter(Qwen2_5_VLAdapter):
                                          deepstack_visual_embeds=levels or None)
         return model.lm_head(out.last_hidden_state[:, -keep:])
 
-    # ---- transformers' own inputs (the reference) ------------------------------------------
-    def _token_types(self, ids: torch.Tensor, prompt: EncodedPrompt, image_token_id: int) -> torch.Tensor:
-        types = (ids == image_token_id).int()
-        for token in {i.token_id for i in prompt.images if i.token_id is not None}:
-            types[ids == token] = 2
-        return types
-
-    def reference_positions(self, model: torch.nn.Module, prompt: EncodedPrompt,
-                            image_token_id: int) -> tuple[list[list[int]], int] | None:
-        ids = torch.tensor([self.reference_ids(prompt, image_token_id)])
-        images, videos = self._split(prompt)
-        grid = torch.tensor([image.grid for image in images]) if images else None
-        video_grid = torch.tensor([video.grid for video in videos]) if videos else None
-        try:
-            rows, delta = model.model.get_rope_index(ids, mm_token_type_ids=self._token_types(ids, prompt, image_token_id),
-                                                     image_grid_thw=grid, video_grid_thw=video_grid)
-        except TypeError:  # transformers before the mm_token_type_ids argument
-            rows, delta = model.model.get_rope_index(ids, image_grid_thw=grid, video_grid_thw=video_grid)
-        return rows[:, 0].tolist(), int(delta)
-
-    def reference_inputs(self, prompt: EncodedPrompt, device: torch.device, image_token_id: int) -> dict[str, Any]:
-        if not prompt.images:
-            return {}
-        images, videos = self._split(prompt)
-        inputs: dict[str, Any] = {}
-        if images:
-            inputs["pixel_values"] = torch.cat([image.pixels for image in images]).to(device)
-            inputs["image_grid_thw"] = torch.tensor([image.grid for image in images], device=device)
-        if videos:  # each frame group as a one-patch video: transformers splits a video's grid so too
-            inputs["pixel_values_videos"] = torch.cat([video.pixels for video in videos]).to(device)
-            inputs["video_grid_thw"] = torch.tensor([video.grid for video in videos], device=device)
-        if "mm_token_type_ids" in inspect.signature(Qwen3VLForConditionalGeneration.forward).parameters:
-            ids = torch.tensor(self.reference_ids(prompt, image_token_id), device=device)
-            inputs["mm_token_type_ids"] = self._token_types(ids, prompt, image_token_id).unsqueeze(0)
-        return inputs
+    @staticmethod
+    def video_timing(videos: list[ImageInput], device: torch.device) -> dict[str, Any]:
+        return {}  # the timestamps are text in the prompt; get_rope_index takes no seconds
 
