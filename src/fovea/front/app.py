@@ -127,17 +127,13 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
             return Response(headers={"content-length": str(len(body))}, media_type=CONTENT_TYPE_LATEST)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request):
+    # Answered by any one ready PD worker, as it is (streams relayed event by event).
+    async def passthrough(request: Request):
         return await proxy.one(request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await proxy.one(request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await proxy.one(request)
+    for path, method in (("/v1/models", "GET"), ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"),
+                         ("/generate", "POST"), ("/tokenize", "POST"), ("/detokenize", "POST")):
+        app.add_api_route(path, passthrough, methods=[method])
 
     @app.post("/v1/responses")
     async def responses(request: Request):
@@ -146,18 +142,6 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(request: Request, response_id: str):
         return await proxy.stored(request, response_id)
-
-    @app.post("/generate")
-    async def generate(request: Request):
-        return await proxy.one(request)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        return await proxy.one(request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        return await proxy.one(request)
 
     @app.post("/v1/images")
     async def upload_image(request: Request):
