@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import re
 import sys
 import tempfile
 import time
@@ -97,6 +98,9 @@ async def timed_request(engine, prompt, params) -> tuple[int, float]:
     started = time.perf_counter()
     async for event in engine.generate(prompt, params):
         if isinstance(event, FinishEvent):
+            # A structured row that did not follow its grammar means the masks were not applied.
+            if params.grammar is not None and not re.fullmatch(r"[a-z]+", event.text.replace(" ", "")):
+                raise AssertionError(f"a structured answer does not match [a-z]+: {event.text[:80]!r}")
             return event.completion_tokens, time.perf_counter() - started
         if isinstance(event, ErrorEvent):
             raise event.error
