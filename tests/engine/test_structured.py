@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import re
 import threading
 
 import jsonschema
@@ -103,7 +104,7 @@ def test_cache_compiles_once_off_the_caller_and_evicts(compiler):
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
 def test_mixed_batch(model, compiler, overlap):
     """Structured rows in one batch with free-text rows that answer exactly as alone; with the
-    step queued ahead a structured row sits out the steps its token is in flight."""
+    step queued ahead, sampling waits for the in-flight tokens the structured rows' masks need."""
     engine = PagedEngine(model, PagedEngineConfig(num_blocks=256, overlap_steps=overlap))
     engine.start()
     try:
@@ -119,10 +120,43 @@ def test_mixed_batch(model, compiler, overlap):
 
         results = asyncio.run(together())
         assert [tokens for tokens, _ in results[:2]] == alone
-        assert (engine.scheduler.structured_waits > 0) == overlap  # sat out only when a token was in flight
+        assert (engine.structured_waits > 0) == overlap  # waited only when a token was in flight
         for _, finish in results[2:]:
             assert isinstance(finish, FinishEvent) and finish.finish_reason == "stop", finish
             jsonschema.validate(json.loads(finish.text), SCHEMA)
+    finally:
+        engine.stop()
+
+
+def test_structured_row_decodes_every_step_when_overlapped(model, compiler):
+    """With the step queued ahead, a structured row still takes a token in every step (its mask is
+    filled once the in-flight token lands, behind the next forward): beside a free row of the same
+    length both finish in the same steps, and a penalised row ending early gives its slot back."""
+    engine = PagedEngine(model, PagedEngineConfig(num_blocks=256, overlap_steps=True))
+    engine.start()
+    try:
+        grammar = compiler.get_now(GrammarSpec("regex", "[a-z]+", "t"))
+        choice = compiler.get_now(GrammarSpec.choice(["ab"], "t"))
+        tokens = 16
+        fixed = dict(max_tokens=tokens, min_tokens=tokens, temperature=1.0)
+
+        async def together():
+            return await asyncio.gather(
+                run(engine, prompt(model, "free", image=False), SamplingParams(**fixed, seed=1)),
+                run(engine, prompt(model, "shaped", image=False), SamplingParams(**fixed, seed=2, grammar=grammar)),
+                # Its grammar ends it while the next step, with a row for it, is already queued.
+                run(engine, prompt(model, "ends", image=False),
+                    SamplingParams(max_tokens=20, temperature=1.0, seed=3, grammar=choice, presence_penalty=1.0)))
+
+        before = engine.steps
+        (free, _), (shaped, finish), (_, short) = asyncio.run(together())
+        assert len(free) == len(shaped) == tokens and isinstance(finish, FinishEvent)
+        assert re.fullmatch("[a-z]+", finish.text), finish.text
+        assert isinstance(short, FinishEvent) and (short.finish_reason, short.text) == ("stop", "ab")
+        # One prefill step, then one token a step: sitting out every other step would take ~2x.
+        assert engine.steps - before <= tokens + 2, engine.steps - before
+        assert engine.structured_waits > 0
+        assert not engine.token_counts.slot_of  # every penalised sequence gave its slot back
     finally:
         engine.stop()
 

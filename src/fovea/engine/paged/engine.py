@@ -85,6 +85,10 @@ class PagedEngine:
         self.steps = 0
         self.oom_recoveries = 0  # steps that ran out of memory and were retried smaller
         self.steps_queued_ahead = 0  # steps launched while the previous one's tokens were unread
+        # Steps whose sampling waited for the step before them, their forward already queued: a
+        # structured row's mask needs its in-flight token (docs/structured-outputs.md).
+        self.structured_waits = 0
+        self._waited_s = 0.0  # of this step's launch, seconds spent in that wait
         self.running_batch = 0
         # Wall seconds of the worker's step phases, summed (where a step's time goes: CPU
         # scheduling, vision, launching the forward, waiting for the GPU, emitting tokens).
@@ -274,7 +278,8 @@ class PagedEngine:
         phases["schedule"] += t1 - t0
         phases["embed"] += t2 - t1
         t3 = time.perf_counter()
-        phases["forward"] += t3 - t2
+        phases["forward"] += t3 - t2 - self._waited_s  # (the wait is sample_wait and emit)
+        self._waited_s = 0.0
         if self.step_trace is not None and plan.chunks:
             prefill = plan.chunks[plan.num_decodes:]
             self.step_trace.append((t3 - t2, plan.num_decodes, sum(c.length for c in prefill), len(prefill)))
@@ -302,6 +307,8 @@ class PagedEngine:
         try:
             logits = self.runner.execute(plan, previous)
             sampling = [c.seq for c in plan.chunks if c.sample]
+            if previous is not None and any(s.grammar is not None and s.pending_row is not None for s in sampling):
+                self._complete_before_sampling()
             asked = token_logprobs.asked(logits, sampling)  # raw: before sampling changes the logits
             tokens = sample_on_device(logits, sampling, self._eos_ids, self.token_counts)
             logprobs = {row: torch.log_softmax(logits[row], dim=-1) for row, seq in enumerate(sampling)
@@ -345,6 +352,18 @@ class PagedEngine:
                 self._finish(seq, reason)
         phases["sample_wait"] += t1 - t0
         phases["emit"] += time.perf_counter() - t1
+
+    def _complete_before_sampling(self) -> None:
+        """A structured row's next mask needs the token still in flight, and its matcher must have
+        accepted it: wait for the step before (only for it: this step's forward, queued behind it,
+        keeps the device busy meanwhile), emit its tokens, then the masks are filled and the
+        sampling queued. The host's mask work hides behind the forward instead of a structured
+        row sitting a step out."""
+        t0 = time.perf_counter()
+        self.steps_queued_ahead += 1
+        self.structured_waits += 1
+        self._complete_in_flight()
+        self._waited_s += time.perf_counter() - t0
 
     def _complete_in_flight(self) -> None:
         if self._in_flight is not None:

@@ -103,7 +103,8 @@ class Penalised:
 def apply_(logits: torch.Tensor, seqs: list[Sequence], counts: TokenCounts) -> Penalised | None:
     """Apply every row's logit bias, stop-token mask and penalties to ``logits`` ([rows, vocab]
     float32) in place; the penalised rows, whose sampled tokens must then be recorded."""
-    rows = [i for i, seq in enumerate(seqs) if seq.processed]
+    # (A sequence that ended while its step was queued gave its slot back: it must not take another.)
+    rows = [i for i, seq in enumerate(seqs) if seq.processed and not seq.ended]
     if not rows:
         return None
     vocab = logits.shape[-1]

@@ -63,7 +63,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
-        self.structured_waits = 0  # decode rows left out of a step: a structured token still in flight
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -129,9 +128,8 @@ class Scheduler:
         plan = StepPlan()
         while True:
             self._schedule_into(plan)
-            if plan.chunks or not self.running or any(s.grammar is not None and s.pending_row is not None
-                                                      for s in self.running):
-                return plan  # (a structured sequence waits for its in-flight token: nothing to preempt)
+            if plan.chunks or not self.running:
+                return plan
             # Every running sequence is mid-prefill with no block to grow into: make room.
             victim = self.running[-1]
             self._preempt(victim)
@@ -147,9 +145,6 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or not seq.is_decode or not seq.wants_more:
                 continue  # (a sequence whose last token is in flight and will end it waits for it)
-            if seq.grammar is not None and seq.pending_row is not None:
-                self.structured_waits += 1
-                continue  # structured: its next mask needs its in-flight token (docs/structured-outputs.md)
             while not blocks.ensure(seq, seq.num_computed + 1):
                 victim = self.running[-1]  # never one already scheduled: those are older than seq
                 self._preempt(victim)

@@ -94,6 +94,11 @@ class Sequence:
         return self.remaining == 1 and self.num_computed >= self.prompt_len
 
     @property
+    def ended(self) -> bool:
+        """Finished, cancelled or failed: a row it still has in a queued step is read by nobody."""
+        return self.status is SeqStatus.FINISHED
+
+    @property
     def wants_more(self) -> bool:
         """False once the tokens produced and in flight reach max_tokens: no step past that."""
         return self.produced + (self.pending_row is not None) < self.request.params.max_tokens

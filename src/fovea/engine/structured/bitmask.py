@@ -38,7 +38,10 @@ def fill_masks(states: list, compact: torch.Tensor) -> None:
 
 
 def structured_rows(seqs: Seq) -> list[int]:
-    return [i for i, seq in enumerate(seqs) if getattr(seq, "grammar", None) is not None]
+    """Rows to mask: a row whose sequence ended while the step was queued (its grammar complete,
+    or it failed) samples a token nobody reads, and its matcher has nothing left to allow."""
+    return [i for i, seq in enumerate(seqs) if (grammar := getattr(seq, "grammar", None)) is not None
+            and not grammar.terminated and not getattr(seq, "ended", False)]
 
 
 def apply_grammar_masks_(logits: torch.Tensor, seqs: Seq) -> None:

@@ -12,8 +12,8 @@ class GrammarState:
     """Accepts each token that reaches the host and fills the mask of the next one.
 
     The next mask depends on every token before it, so it can be filled only once the previous
-    token is on the host: the scheduler leaves a structured sequence out of a step while its
-    token is in flight (``waits_for_token``)."""
+    token is on the host: with a step in flight the engine waits for it after queueing the next
+    forward and before its sampling (``PagedEngine._complete_before_sampling``)."""
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
