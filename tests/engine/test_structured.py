@@ -138,7 +138,7 @@ def test_structured_row_decodes_every_step_when_overlapped(model, compiler):
         grammar = compiler.get_now(GrammarSpec("regex", "[a-z]+", "t"))
         choice = compiler.get_now(GrammarSpec.choice(["ab"], "t"))
         tokens = 16
-        fixed = dict(max_tokens=tokens, min_tokens=tokens, temperature=1.0)
+        fixed = {"max_tokens": tokens, "min_tokens": tokens, "temperature": 1.0}
 
         async def together():
             return await asyncio.gather(
