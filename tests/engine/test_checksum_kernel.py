@@ -45,3 +45,44 @@ def test_a_changed_swapped_or_shifted_word_changes_only_its_images_sum():
             continue  # (a swap of two equal words changes nothing: nothing to see)
         after = checksum_many([other, b], handoff._STRIDE).tolist()
         assert after[0] != before[0] and after[1] == before[1]
+
+
+def lying_back_to_back(widths: list[int], tokens: list[int], dtype=torch.bfloat16, align: int = 256):
+    """Sealed images whose payloads lie in one buffer at ``align``-byte offsets, as the pool's
+    shared segment holds them, and the rows they were sealed from."""
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randn(n, w, generator=g).to(dtype) for n, w in zip(tokens, widths, strict=True)]
+    meta = {"request_id": "r", "image_hash": "h", "model_id": "m", "vision_fingerprint": "v",
+            "recipe_fingerprint": "p", "grid": None}
+    sealed = handoff.seal_many(rows, [meta] * len(rows))
+    sizes = [f.numel() for _, f in sealed]
+    buffer = torch.zeros(sum(-(-n // align) * align for n in sizes), dtype=torch.uint8)
+    items, at = [], 0
+    for (header, flat), n in zip(sealed, sizes, strict=True):
+        buffer[at:at + n] = flat
+        items.append((header, buffer[at:at + n]))
+        at += -(-n // align) * align
+    return items, rows
+
+
+@needs_triton
+@pytest.mark.parametrize(("widths", "views"), [([128, 128, 128], 2), ([3, 3, 5], 6)], ids=["one-table", "view-each"])
+def test_a_batch_lands_as_its_images_rows_and_a_corrupt_one_fails_alone(widths, views, monkeypatch):
+    """Row-aligned images (every served model's width) become slices of one table, two views
+    for the batch; odd widths (rows that do not divide the 256-byte alignment) two views each.
+    Both give each image's rows exactly, in one landed block, and a flipped byte fails only
+    its image."""
+    items, rows = lying_back_to_back(widths, [4, 9, 2])
+    calls, real_view = [], torch.Tensor.view
+    monkeypatch.setattr(torch.Tensor, "view", lambda self, *a: calls.append(a) or real_view(self, *a))
+    landed = handoff.land_each(items, DEVICE, batched=True, timing=(timing := {}))
+    monkeypatch.undo()
+    assert len(calls) == views, calls
+    for got, want in zip(landed, rows, strict=True):
+        assert torch.equal(got.cpu(), want) and got.dtype == want.dtype
+    assert len({t.untyped_storage().data_ptr() for t in landed}) == 1  # one landed block
+    assert timing["wait_s"] >= 0
+    items[1][1][5] ^= 0xFF  # in the buffer, after sealing
+    corrupt = handoff.land_each(items, DEVICE, batched=True)
+    assert isinstance(corrupt[1], handoff.HandoffMismatch) and corrupt[1].reason == "checksum"
+    assert torch.equal(corrupt[0].cpu(), rows[0]) and torch.equal(corrupt[2].cpu(), rows[2])

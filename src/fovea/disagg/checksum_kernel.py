@@ -59,16 +59,21 @@ _COMPILED = None
 def checksum_many(flats: list[torch.Tensor], stride: int) -> torch.Tensor:
     """[len(flats)] int64 on the flats' (CUDA) device: ``checksum`` of each flat uint8 tensor
     of even length, with ``stride`` the checksum's weight stride. Nothing is read back."""
+    return checksum_table([f.data_ptr() for f in flats], [f.numel() // 2 for f in flats], flats[0].device, stride)
+
+
+def checksum_table(addresses: list[int], words: list[int], device: torch.device, stride: int) -> torch.Tensor:
+    """``checksum_many`` of the images at ``addresses`` (device memory that stays alive until
+    the kernel has run), each ``words`` 16-bit words long: no tensor per image is needed, so a
+    batch costs the same few torch calls however many images it holds."""
     global _COMPILED
     if _COMPILED is None:
         _COMPILED = _kernel()
-    device = flats[0].device
     # Row 0: each image's address; row 1: its length in 16-bit words (both rows contiguous).
-    table = torch.tensor([[f.data_ptr() for f in flats], [f.numel() // 2 for f in flats]], dtype=torch.int64)
+    table = torch.tensor([addresses, words], dtype=torch.int64)
     if device.type == "cuda":  # (the CPU case is triton's interpreter, in the tests)
         table = table.pin_memory().to(device, non_blocking=True)
-    out = torch.zeros(len(flats), dtype=torch.int64, device=device)
-    longest = max(f.numel() // 2 for f in flats)
-    parts = max(1, min(BLOCKS_PER_IMAGE, -(-longest // BLOCK)))
-    _COMPILED[(len(flats), parts)](table[0], table[1], out, stride, BLOCK=BLOCK)
+    out = torch.zeros(len(addresses), dtype=torch.int64, device=device)
+    parts = max(1, min(BLOCKS_PER_IMAGE, -(-max(words) // BLOCK)))
+    _COMPILED[(len(addresses), parts)](table[0], table[1], out, stride, BLOCK=BLOCK)
     return out

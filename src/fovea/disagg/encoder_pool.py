@@ -275,9 +275,10 @@ class EncoderPool:
                 reply = worker.channel.round_trip(items, reply_bytes, self.timeout_s)
                 # The reply may be views of the worker's reply segment: verified and copied out
                 # before the worker can take another batch.
-                landing = time.perf_counter()
-                out = self._verify(reply, batch_id, images)
-                timing = {**getattr(worker.channel, "last_timing", {}), "land_s": time.perf_counter() - landing}
+                landing, landed = time.perf_counter(), {}
+                out = self._verify(reply, batch_id, images, landed)
+                timing = {**getattr(worker.channel, "last_timing", {}), "land_s": time.perf_counter() - landing,
+                          "land_wait_s": landed.get("wait_s", 0.0)}
             except WorkerLost as lost:
                 last = f"worker {worker.index} {lost}"
                 worker.state = "dead"  # not chosen again until the restart has it ready
@@ -306,6 +307,7 @@ class EncoderPool:
         parts = {"worker_read": batch.get("read_s", 0.0), "worker_seal": batch.get("seal_s", 0.0),
                  "worker_write": batch.get("write_s", 0.0), "this_write": timing.get("write_s", 0.0),
                  "this_land": timing.get("land_s", 0.0),
+                 "this_land_device_wait": timing.get("land_wait_s", 0.0),  # (part of this_land)
                  "pipe": max(0.0, timing.get("exchange_s", 0.0) - batch.get("handle_s", 0.0))
                  if "exchange_s" in timing and "handle_s" in batch else 0.0}
         segment = getattr(getattr(worker.channel, "incoming", None), "segment", None)  # Ray: none
@@ -331,7 +333,8 @@ class EncoderPool:
                 "pinned": self.handoff_pinned}
 
 
-    def _verify(self, reply: list, batch_id: str, images: list[ImageInput]) -> list[torch.Tensor | BaseException]:
+    def _verify(self, reply: list, batch_id: str, images: list[ImageInput],
+                timing: dict[str, float] | None = None) -> list[torch.Tensor | BaseException]:
         head = reply[0][0] if reply else {}
         if head.get("kind") == encode_worker.ERROR:
             raise EncoderFailed(f"the encode worker failed: {head.get('message')}")
@@ -351,7 +354,7 @@ class EncoderPool:
                 sound.append((index, header, b"" if data is None else data))
             except HandoffMismatch as exc:
                 out[index] = exc
-        landed = land_each([(h, d) for _, h, d in sound], self.device)
+        landed = land_each([(h, d) for _, h, d in sound], self.device, timing=timing)
         for (index, _, _), rows in zip(sound, landed, strict=True):
             out[index] = rows
         return out  # type: ignore[return-value]

@@ -14,10 +14,12 @@ ever unpickled from a socket.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import struct
+import time
 from dataclasses import dataclass
 
 import torch
@@ -193,7 +195,8 @@ def check_header(header: EmbeddingHeader, expected: Expectation) -> None:
 
 
 def land_each(items: list[tuple[EmbeddingHeader, torch.Tensor | bytes]],
-              device: torch.device | str = "cpu", batched: bool | None = None) -> list[torch.Tensor | HandoffMismatch]:
+              device: torch.device | str = "cpu", batched: bool | None = None,
+              timing: dict[str, float] | None = None) -> list[torch.Tensor | HandoffMismatch]:
     """Each payload's rows on ``device`` if its length fits its header and the bytes that landed
     there their checksum, else why not (one synchronisation for the batch). The headers'
     other fields are ``check_header``'s to judge.
@@ -202,12 +205,15 @@ def land_each(items: list[tuple[EmbeddingHeader, torch.Tensor | bytes]],
     On a GPU the copies run on a stream of their own, so the engine's queued steps do not
     delay them, and are marked as used by the default stream the engine reads them on.
 
-    ``batched`` (default: on a GPU, where triton imports) lands a batch in a fixed number of
-    torch calls, however many images it holds: the payloads that lie back to back in one
+    ``batched`` (default: on a GPU, where triton imports; on the CPU only under triton's
+    interpreter, for the tests) lands a batch in a fixed number of GIL-releasing torch calls,
+    however many images it holds: the payloads that lie back to back in one
     buffer (the pool's shared segment) cross in one copy, one kernel checksums every image
-    (``checksum_kernel``), and the rows are views of the landed block. This runs in a client
+    (``checksum_kernel``), and the rows are slices of the landed block (``_row_views``). This runs in a client
     thread that shares the GIL with the engine and the event loop, and each torch call can
-    wait a switch interval to retake it (bench/handoff_gil_probe.py)."""
+    wait a switch interval to retake it (bench/handoff_gil_probe.py). ``timing`` gets
+    ``wait_s``: the seconds spent waiting for the device to finish the copies and checksums
+    (the rest of the landing is this thread's own work)."""
     device = torch.device(device)
     out: list[torch.Tensor | HandoffMismatch | None] = [None] * len(items)
     sound: list[tuple[int, torch.Tensor]] = []
@@ -221,54 +227,82 @@ def land_each(items: list[tuple[EmbeddingHeader, torch.Tensor | bytes]],
             sound.append((index, data))
     if not sound:
         return out  # type: ignore[return-value]
-    if device.type == "cuda":
-        if batched is None:
-            batched = checksum_kernel.usable()
-        block = _one_block(sound) if batched else None
-        stream = _landing_stream(device)
-        with torch.cuda.stream(stream):
-            if block is not None:
-                span, pieces = block
-                landed = span.to(device, non_blocking=True)
+    on_gpu = device.type == "cuda"
+    if batched is None:
+        batched = on_gpu and checksum_kernel.usable()
+    block = _one_block(sound) if batched else None
+    headers = [items[index][0] for index, _ in sound]
+    with torch.cuda.stream(_landing_stream(device)) if on_gpu else contextlib.nullcontext():
+        if block is not None:
+            span, offsets = block
+            landed = span.to(device, non_blocking=True) if on_gpu else span.clone()
+            if on_gpu:
                 landed.record_stream(torch.cuda.default_stream(device))
-                copies = list(torch.split(landed, pieces))[::2]  # the payloads, not the gaps between them
-                sums = checksum_kernel.checksum_many(copies, _STRIDE).tolist()
-            else:
-                copies = [data.to(device, non_blocking=True) for _, data in sound]
-                for c in copies:
-                    c.record_stream(torch.cuda.default_stream(device))
-                sums = torch.stack([checksum(c) for c in copies]).tolist()
-    else:
-        copies = [data.to(device, copy=True) for _, data in sound]
-        sums = [int(checksum(c)) for c in copies]
-    for (index, _), data, total in zip(sound, copies, sums, strict=True):
-        header = items[index][0]
+            base = landed.data_ptr()
+            sums = _read_back(checksum_kernel.checksum_table(
+                [base + at for at in offsets], [data.numel() // 2 for _, data in sound], device, _STRIDE), timing)
+            rows = _row_views(landed, offsets, headers)
+        elif on_gpu:
+            copies = [data.to(device, non_blocking=True) for _, data in sound]
+            for c in copies:
+                c.record_stream(torch.cuda.default_stream(device))
+            sums = _read_back(torch.stack([checksum(c) for c in copies]), timing)
+            rows = [c.view(DTYPES[h.dtype]).view(*h.shape) for c, h in zip(copies, headers, strict=True)]
+        else:
+            copies = [data.to(device, copy=True) for _, data in sound]
+            sums = [int(checksum(c)) for c in copies]
+            rows = [c.view(DTYPES[h.dtype]).view(*h.shape) for c, h in zip(copies, headers, strict=True)]
+    for (index, _), header, landed_rows, total in zip(sound, headers, rows, sums, strict=True):
         if int(total) != header.checksum:
             out[index] = HandoffMismatch("checksum", "the bytes do not match their checksum (corrupted in transit)")
         else:
-            out[index] = data.view(DTYPES[header.dtype]).view(*header.shape)
+            out[index] = landed_rows
     return out  # type: ignore[return-value]
 
 
+def _read_back(sums: torch.Tensor, timing: dict[str, float] | None) -> list[int]:
+    """The checksums on the host: the landing's one synchronisation, timed into ``timing``."""
+    started = time.perf_counter()
+    out = sums.tolist()
+    if timing is not None:
+        timing["wait_s"] = time.perf_counter() - started
+    return out
+
+
 def _one_block(sound: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list[int]] | None:
-    """A flat view from the first payload's start to the last one's end, and the lengths that
-    ``torch.split`` cuts it into (payload, gap, payload, gap...), if the payloads are views of
-    one buffer in increasing order with even lengths (the kernel reads 16-bit words) and the
-    gaps are small (the shared segment aligns each tensor to 256 bytes); else None."""
+    """A flat view from the first payload's start to the last one's end, and each payload's
+    offset in it, if the payloads are views of one buffer in increasing order with even
+    lengths (the kernel reads 16-bit words) and the gaps are small (the shared segment aligns
+    each tensor to 256 bytes); else None."""
     first = sound[0][1]
     storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
-    pieces: list[int] = []
+    offsets: list[int] = []
     end = start
     for _, data in sound:
         gap = data.storage_offset() - end
         if (data.untyped_storage().data_ptr() != storage or not 0 <= gap <= 4096
                 or data.numel() % 2 or not data.is_contiguous()):
             return None
-        if pieces:
-            pieces.append(gap)
-        pieces.append(data.numel())
+        offsets.append(data.storage_offset() - start)
         end = data.storage_offset() + data.numel()
-    return first.as_strided((end - start,), (1,), start), pieces
+    return first.as_strided((end - start,), (1,), start), offsets
+
+
+def _row_views(landed: torch.Tensor, offsets: list[int], headers: list[EmbeddingHeader]) -> list[torch.Tensor]:
+    """Each image's [tokens, hidden] rows as a view of the landed block. Where every image has
+    one dtype and width and lies on a whole row (the segment's 256-byte alignment divides every
+    served model's row, e.g. 4,096 x 2 bytes), the block is viewed as one table in two torch
+    calls and each image is a slice of it: slicing keeps the GIL, while each ``view`` releases
+    and retakes it, which beside the busy engine thread can cost a whole switch interval per
+    call (bench/handoff_gil_probe.py). Otherwise, two views per image."""
+    dtype, hidden = DTYPES[headers[0].dtype], headers[0].shape[1]
+    row = hidden * dtype.itemsize
+    if (row and landed.numel() % row == 0 and all(at % row == 0 for at in offsets)
+            and all(DTYPES[h.dtype] is dtype and h.shape[1] == hidden for h in headers)):
+        table = landed.view(dtype).view(-1, hidden)
+        return [table[at // row: at // row + h.shape[0]] for at, h in zip(offsets, headers, strict=True)]
+    return [landed[at: at + h.shape[0] * h.shape[1] * DTYPES[h.dtype].itemsize].view(DTYPES[h.dtype]).view(*h.shape)
+            for at, h in zip(offsets, headers, strict=True)]
 
 
 def open_each(items: list[tuple[EmbeddingHeader, torch.Tensor | bytes]], expected: list[Expectation],
