@@ -19,9 +19,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from fovea.disagg import wire
+from fovea.disagg import host_copy, wire
 from fovea.disagg.encoder_plan import MARGIN_BYTES, EncoderPlan, refuse_unless_fits
-from fovea.disagg.handoff import DTYPES, as_bytes, pack, seal_many, vision_fingerprint
+from fovea.disagg.handoff import DTYPES, pack, seal_many, vision_fingerprint
 from fovea.models.base import ImageInput
 
 READY, ERROR, BATCH = "ready", "error", "batch"
@@ -33,10 +33,15 @@ FORWARD_IMAGES = 8
 
 
 def image_item(batch_id: str, image: ImageInput, recipe_fp: str) -> wire.Item:
-    data = image.pixels.detach().to("cpu").contiguous()
+    """The image's meta and pixels. Host pixels in one run (what the preprocessing makes) go as
+    they are: each torch call here would release the GIL and wait to retake it beside the busy
+    engine (host_copy.py); ``wire.encode`` copies their bytes."""
+    data = image.pixels
+    if data.requires_grad or not host_copy.copyable(data):
+        data = data.detach().to("cpu").contiguous()
     meta = {"batch": batch_id, "hash": image.hash, "recipe": recipe_fp, "dtype": str(data.dtype).removeprefix("torch."),
             "shape": list(data.shape), "grid": list(image.grid) if image.grid else None, "tokens": image.num_tokens}
-    return meta, as_bytes(data)
+    return meta, data
 
 
 def read_image(meta: dict, data: torch.Tensor, device: torch.device) -> ImageInput:

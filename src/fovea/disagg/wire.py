@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from fovea.disagg import host_copy
 from fovea.disagg.handoff import as_bytes, byte_tensor, pack, unpack
 from fovea.disagg.shared_segment import Segment, aligned
 
@@ -40,15 +41,17 @@ def encode(items: list[Item], segment: Segment | None = None,
         if tensor is None:
             placed.append((meta, b""))
             continue
-        data = as_bytes(tensor)
-        n = data.numel()
+        n = host_copy.nbytes(tensor)
         if segment is not None and offset + n <= segment.capacity:
-            segment.view(offset, n).copy_(data, non_blocking=data.is_cuda)
-            from_device |= data.is_cuda
+            if host_copy.copyable(tensor):  # no GIL-releasing torch call (host_copy.py says why)
+                host_copy.copy_bytes(segment.view(offset, n), tensor)
+            else:
+                segment.view(offset, n).copy_(as_bytes(tensor), non_blocking=tensor.is_cuda)
+                from_device |= tensor.is_cuda
             placed.append(({**meta, "at": [segment.name, offset, n]}, b""))
             offset += aligned(n)
         else:
-            placed.append((meta, data.cpu().numpy().tobytes()))
+            placed.append((meta, as_bytes(tensor).cpu().numpy().tobytes()))
     if from_device:
         torch.cuda.synchronize()
     if written is not None:
