@@ -329,36 +329,43 @@ class QwenCodec(PromptCodec):
     def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
                videos: list[Any] | None = None) -> EncodedPrompt:
         videos = self.check_media(text, images, videos, template_rendered)
+        ids = self._checked_ids(text, len(images), template_rendered, len(videos), "video(s)")
+        if not images and not videos:
+            return EncodedPrompt(list(ids), [], text)
+        video_inputs = [self._video_input(video) for video in videos]
+        inputs, expanded = self._expanded(ids, self._image_inputs(images), video_inputs)
+        intervals = [None if item.seconds_per_grid is None else
+                     self.video.tokens_per_second * torch.tensor(item.seconds_per_grid)  # float32, as transformers
+                     for item in inputs] if videos else None
+        rows, delta = mrope_positions(expanded, self.image_token_id, [item.grid for item in inputs], self.merge,
+                                      intervals)
+        return EncodedPrompt(expanded, inputs, text, rows, delta)
+
+    def _checked_ids(self, text: str, images: int, template_rendered: bool, video_slots: int, video_what: str,
+                     video_status: int = 400) -> list[int]:
+        """The text's token ids, once its image and video tokens are one per image and per video
+        slot (``video_what`` names the slots; ``video_status`` 500 where fovea wrote them)."""
         kwargs = tokenize_rendered(self.tokenizer, text) if template_rendered else {}
         ids = self.tokenizer(text, **kwargs)["input_ids"]
         placeholders = sum(1 for t in ids if t == self.image_token_id)
-        if placeholders != len(images):
+        if placeholders != images:
             raise PlaceholderMismatch(
-                f"the text tokenizes to {placeholders} {self.image_token!r} token(s) for {len(images)} image(s)"
+                f"the text tokenizes to {placeholders} {self.image_token!r} token(s) for {images} image(s)"
                 + ("; the text must not contain the image token itself" if not template_rendered else ""))
         video_id = self.video.token_id if self.video is not None else None
-        if videos and sum(1 for t in ids if t == video_id) != len(videos):
-            raise PlaceholderMismatch(f"the text tokenizes to {sum(1 for t in ids if t == video_id)} video token(s) "
-                                      f"for {len(videos)} video(s)")
-        if not images and not videos:
-            return EncodedPrompt(list(ids), [], text)
-        image_inputs: list[ImageInput] = []
-        if images:
-            pixels, grids = self._preprocess(images)
-            offset = 0
-            for grid in grids:
-                patches = grid[0] * grid[1] * grid[2]
-                chunk = pixels[offset:offset + patches]
-                offset += patches
-                tokens = patches // (self.merge * self.merge)
-                image_inputs.append(ImageInput(chunk, tokens, pixel_hash(chunk, grid), grid))
-            if offset != pixels.shape[0]:
-                raise PlaceholderMismatch(f"the processor returned {pixels.shape[0]} patches for grids summing to "
-                                          f"{offset}", status=500)
-        video_inputs = [self._video_input(video) for video in videos]
-        # In prompt order; every vision slot carries the image token in the engine's ids.
+        videos = sum(1 for t in ids if t == video_id)
+        if videos != video_slots:
+            raise PlaceholderMismatch(f"the text tokenizes to {videos} video token(s) for {video_slots} {video_what}",
+                                      status=video_status if video_slots else 400)
+        return ids
+
+    def _expanded(self, ids: list[int], images: list[ImageInput],
+                  videos: list[ImageInput]) -> tuple[list[ImageInput], list[int]]:
+        """The vision inputs in prompt order, and the ids with each vision slot expanded to its
+        tokens: every slot carries the image token in the engine's ids."""
+        video_id = self.video.token_id if self.video is not None else None
         inputs, expanded = [], []
-        pending_images, pending_videos = iter(image_inputs), iter(video_inputs)
+        pending_images, pending_videos = iter(images), iter(videos)
         for token in ids:
             if token == self.image_token_id or (videos and token == video_id):
                 item = next(pending_images if token == self.image_token_id else pending_videos)
@@ -366,12 +373,23 @@ class QwenCodec(PromptCodec):
                 expanded.extend([self.image_token_id] * item.num_tokens)
             else:
                 expanded.append(token)
-        intervals = [None if item.seconds_per_grid is None else
-                     self.video.tokens_per_second * torch.tensor(item.seconds_per_grid)  # float32, as transformers
-                     for item in inputs] if videos else None
-        rows, delta = mrope_positions(expanded, self.image_token_id, [item.grid for item in inputs], self.merge,
-                                      intervals)
-        return EncodedPrompt(expanded, inputs, text, rows, delta)
+        return inputs, expanded
+
+    def _image_inputs(self, images: list[Image.Image]) -> list[ImageInput]:
+        """Each image's patches (a slice of the processor's batch), tokens after the merge and key."""
+        if not images:
+            return []
+        pixels, grids = self._preprocess(images)
+        out, offset = [], 0
+        for grid in grids:
+            patches = grid[0] * grid[1] * grid[2]
+            chunk = pixels[offset:offset + patches]
+            offset += patches
+            out.append(ImageInput(chunk, patches // (self.merge * self.merge), pixel_hash(chunk, grid), grid))
+        if offset != pixels.shape[0]:
+            raise PlaceholderMismatch(f"the processor returned {pixels.shape[0]} patches for grids summing to {offset}",
+                                      status=500)
+        return out
 
 
 class Qwen2_5_VLAdapter(ModelAdapter):

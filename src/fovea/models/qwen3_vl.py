@@ -43,9 +43,7 @@ from fovea.models.base import (
     Family,
     ImageInput,
     LanguageModelSpec,
-    PlaceholderMismatch,
     pixel_hash,
-    tokenize_rendered,
 )
 from fovea.models.qwen2_5_vl import (
     VIDEO_TOKEN,
@@ -168,47 +166,14 @@ class Qwen3Codec(QwenCodec):
                 frames.extend(groups)
                 out += expansion + rest
             text = out
-        kwargs = tokenize_rendered(self.tokenizer, text) if template_rendered else {}
-        ids = self.tokenizer(text, **kwargs)["input_ids"]
-        placeholders = sum(1 for t in ids if t == self.image_token_id)
-        if placeholders != len(images):
-            raise PlaceholderMismatch(
-                f"the text tokenizes to {placeholders} {self.image_token!r} token(s) for {len(images)} image(s)"
-                + ("; the text must not contain the image token itself" if not template_rendered else ""))
-        video_id = self.video.token_id if self.video is not None else None
-        if sum(1 for t in ids if t == video_id) != len(frames):
-            raise PlaceholderMismatch(f"the text tokenizes to {sum(1 for t in ids if t == video_id)} video token(s) "
-                                      f"for {len(frames)} video frame group(s)", status=500 if frames else 400)
+        ids = self._checked_ids(text, len(images), template_rendered, len(frames), "video frame group(s)",
+                                video_status=500)
         if not images and not frames:
             return EncodedPrompt(list(ids), [], text)
-        pending_images = iter(self._image_inputs(images))
-        pending_frames = iter(frames)
-        inputs, expanded = [], []
-        for token in ids:  # in prompt order; every vision slot carries the image token in the engine's ids
-            if token == self.image_token_id or (frames and token == video_id):
-                item = next(pending_images if token == self.image_token_id else pending_frames)
-                inputs.append(item)
-                expanded.extend([self.image_token_id] * item.num_tokens)
-            else:
-                expanded.append(token)
+        inputs, expanded = self._expanded(ids, self._image_inputs(images), frames)
         # Every image and frame group has t = 1: Qwen2.5-VL's image positions are Qwen3-VL's.
         rows, delta = mrope_positions(expanded, self.image_token_id, [item.grid for item in inputs], self.merge)
         return EncodedPrompt(expanded, inputs, text, rows, delta)
-
-    def _image_inputs(self, images: list[Image.Image]) -> list[ImageInput]:
-        if not images:
-            return []
-        pixels, grids = self._preprocess(images)
-        out, offset = [], 0
-        for grid in grids:
-            patches = grid[0] * grid[1] * grid[2]
-            chunk = pixels[offset:offset + patches]
-            offset += patches
-            out.append(ImageInput(chunk, patches // (self.merge * self.merge), pixel_hash(chunk, grid), grid))
-        if offset != pixels.shape[0]:
-            raise PlaceholderMismatch(f"the processor returned {pixels.shape[0]} patches for grids summing to {offset}",
-                                      status=500)
-        return out
 
 
 def vision_rows(out: Any) -> torch.Tensor:
