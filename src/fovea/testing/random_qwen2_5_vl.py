@@ -104,17 +104,25 @@ def vocabulary(words_count: int) -> list[str]:
 
 
 def build_tokenizer(arch: Architecture) -> PreTrainedTokenizerFast:
-    vocab = {word: index for index, word in enumerate(vocabulary(arch.vocab_words))}
-    vocab.update(special_ids(arch))
+    return word_level_tokenizer(vocabulary(arch.vocab_words), special_ids(arch), pre_tokenizers.WhitespaceSplit(),
+                                arch.max_positions, CHAT_TEMPLATE)
+
+
+def word_level_tokenizer(words: list[str], specials: dict[str, int], pre_tokenizer: pre_tokenizers.PreTokenizer,
+                         max_positions: int, chat_template: str) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with Qwen's special tokens at their real ids (``specials``), EOS
+    and padding, and ``chat_template``: what the random Qwen directories ship."""
+    vocab = {word: index for index, word in enumerate(words)}
+    vocab.update(specials)
     core = Tokenizer(WordLevel(vocab, unk_token="<|endoftext|>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.pre_tokenizer = pre_tokenizer
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     # Qwen's tokenizer adds no BOS: the chat template's <|im_start|> opens the prompt.
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        unk_token="<|endoftext|>", model_max_length=arch.max_positions,
+                                        unk_token="<|endoftext|>", model_max_length=max_positions,
                                         padding_side="left")
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_IDS)})
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, pre_tokenizers
-from tokenizers.models import WordLevel
+from tokenizers import pre_tokenizers
 from transformers import (
     GenerationConfig,
     PreTrainedTokenizerFast,
@@ -30,7 +29,7 @@ from transformers import (
 )
 
 from fovea.testing.random_llava import cli, write_weights
-from fovea.testing.random_qwen2_5_vl import FIRST_SPECIAL, vocabulary
+from fovea.testing.random_qwen2_5_vl import FIRST_SPECIAL, vocabulary, word_level_tokenizer
 from fovea.testing.random_qwen2_5_vl import SPECIAL_IDS as QWEN2_SPECIAL_IDS
 
 # Qwen3's tokenizer: Qwen2's special tokens, then the tool, fill-in-the-middle and thinking tokens.
@@ -113,19 +112,9 @@ def words_of(arch: Architecture) -> list[str]:
 
 
 def build_tokenizer(arch: Architecture) -> PreTrainedTokenizerFast:
-    vocab = {word: index for index, word in enumerate(words_of(arch))}
-    vocab.update(special_ids(arch))
-    core = Tokenizer(WordLevel(vocab, unk_token="<|endoftext|>"))
-    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(),
-                                                  pre_tokenizers.Digits(individual_digits=True)])
-    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    # Qwen's tokenizer adds no BOS: the chat template's <|im_start|> opens the prompt.
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        unk_token="<|endoftext|>", model_max_length=arch.max_positions,
-                                        padding_side="left")
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_IDS)})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    splits = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(),
+                                      pre_tokenizers.Digits(individual_digits=True)])
+    return word_level_tokenizer(words_of(arch), special_ids(arch), splits, arch.max_positions, CHAT_TEMPLATE)
 
 
 def build_config(arch: Architecture) -> Qwen3VLConfig:
