@@ -163,6 +163,15 @@ def call_grammar(tools: ToolRequest) -> GrammarSpec | None:
     return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), "tool_choice")
 
 
+def template_call(call_id: str | None, name: str, arguments: str, param: str) -> dict[str, Any]:
+    """An earlier call as chat templates expect it: its arguments JSON as an object."""
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        raise InvalidRequest("the arguments of an earlier tool call are not JSON.", param=param) from None
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+
+
 def template_messages_tools(tools: ToolRequest | None) -> list[dict[str, Any]] | None:
     return None if tools is None else tools.tools
 
