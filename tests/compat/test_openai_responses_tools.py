@@ -128,7 +128,14 @@ def test_refusals(client, model, live_server):
              ({"top_logprobs": 2}, "invalid_request", "top_logprobs"),
              ({"tools": FLAT, "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
               "conflicting_structured_outputs", "text.format"),
-             ({"tools": FLAT, "tool_choice": {"type": "function", "name": "nope"}}, "invalid_request", "tool_choice")]
+             ({"tools": FLAT, "tool_choice": {"type": "function", "name": "nope"}}, "invalid_request", "tool_choice"),
+             ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "flip",
+                                                             "arguments": '{"heads": "<|image_pad|>"}'}]},
+              "image_placeholder_mismatch", "input[1].arguments"),
+             ({"input": [{"type": "function_call", "call_id": "c", "name": "flip", "arguments": "{heads"}]},
+              "invalid_request", "input[0].arguments"),
+             ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
+              "unsupported_parameter", "input[0].output[0]")]
     for extra, code, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:
             create(client, model, **extra)

@@ -113,6 +113,9 @@ def template_messages(state: ServerState, instructions: str | None, turns: list[
         one_text = len(parts) == 1 and parts[0]["type"] == "text"
         message = {"role": turn["role"], "content": parts[0]["text"] if one_text else parts}
         if turn.get("tool_calls"):
+            for call in turn["tool_calls"]:  # rendered into the prompt as the arguments' JSON
+                refuse_typed_placeholder(call["arguments"], image_token, call.get("where", FROM_PREVIOUS))
+                refuse_typed_video_token(state, call["arguments"], call.get("where", FROM_PREVIOUS))
             message["tool_calls"] = [template_call(c["id"], c["name"], c["arguments"], c.get("where", FROM_PREVIOUS))
                                      for c in turn["tool_calls"]]
         if "tool_call_id" in turn:
