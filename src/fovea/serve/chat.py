@@ -13,7 +13,7 @@ from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch, render_chat
 from fovea.serve.generation import respond
 from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, VideoURLPart
 from fovea.serve.state import ServerState
-from fovea.serve.structured import requested_grammar
+from fovea.serve.structured import refuse_with_tools, requested_grammar
 from fovea.serve.tools import (
     ToolFormat,
     ToolRequest,
@@ -183,10 +183,7 @@ def make_chat_router(state: ServerState) -> APIRouter:
         prompt, twin = await build_chat_prompt(state, req, tools)
         if tools is None:
             return await respond(state, req, prompt, twin)
-        other = requested_grammar(req)
-        if other is not None:
-            raise InvalidRequest(f"{other.param} cannot be combined with tools: send one or the other.",
-                                 code="conflicting_structured_outputs", param=other.param)
+        refuse_with_tools(requested_grammar(req))
         return await respond(state, req, prompt, twin, fmt=ToolFormat(), grammar=call_grammar(tools))
 
     return router

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -44,7 +45,7 @@ from fovea.serve.responses_output import ResponseOutput
 from fovea.serve.responses_store import ResponseStore, Turn
 from fovea.serve.responses_tools import call_turn, check_tool_turns, output_turn, tool_request
 from fovea.serve.state import ServerState
-from fovea.serve.structured import compile_spec, text_format_grammar
+from fovea.serve.structured import compile_spec, refuse_with_tools, text_format_grammar
 from fovea.serve.tools import call_grammar, template_call
 
 FROM_PREVIOUS = "previous_response_id"  # the request path named for a refusal in a stored turn
@@ -178,9 +179,7 @@ def make_responses_router(state: ServerState, store: ResponseStore | None = None
         params.logprobs = (req.top_logprobs or 0) if req.wants_logprobs else None
         spec = text_format_grammar(req.text)
         if tools is not None:
-            if spec is not None:
-                raise InvalidRequest(f"{spec.param} cannot be combined with tools: send one or the other.",
-                                     code="conflicting_structured_outputs", param=spec.param)
+            refuse_with_tools(spec)
             spec = call_grammar(tools)
         params.grammar = await compile_spec(state, spec)  # None: free text
         try:
@@ -238,25 +237,28 @@ class Run:
         state = self.state
         for item in self.output.start():
             yield item
-        async for update in state.engine.generate(prompt, self.params, self.rid):
-            if isinstance(update, TokenEvent):
-                for item in self.output.on_token(update):
-                    yield item
-            elif isinstance(update, FinishEvent):
-                state.metrics.observe_finish(update.first_token_s, update.total_s, update.completion_tokens)
-                log_finish(state, prompt, update, self.rid)
-                for item in self.output.on_finish(update):
-                    yield item
-                body = self.finished(update)
-                yield f"response.{body['status']}", {"response": body}  # completed | incomplete
-            elif isinstance(update, ErrorEvent):
-                raise failure(update.error)
+        # Closed at once when the consumer stops (a client gone): the engine cancels the request.
+        async with aclosing(state.engine.generate(prompt, self.params, self.rid)) as updates:
+            async for update in updates:
+                if isinstance(update, TokenEvent):
+                    for item in self.output.on_token(update):
+                        yield item
+                elif isinstance(update, FinishEvent):
+                    state.metrics.observe_finish(update.first_token_s, update.total_s, update.completion_tokens)
+                    log_finish(state, prompt, update, self.rid)
+                    for item in self.output.on_finish(update):
+                        yield item
+                    body = self.finished(update)
+                    yield f"response.{body['status']}", {"response": body}  # completed | incomplete
+                elif isinstance(update, ErrorEvent):
+                    raise failure(update.error)
 
     async def collect(self, prompt: EncodedPrompt) -> dict[str, Any]:
         """The non-streamed answer: the same events, only the last one kept."""
         last: dict[str, Any] = {}
-        async for _, fields in self.events(prompt):
-            last = fields
+        async with aclosing(self.events(prompt)) as events:
+            async for _, fields in events:
+                last = fields
         return last["response"]
 
     async def stream(self, prompt: EncodedPrompt) -> AsyncIterator[str]:
@@ -264,8 +266,9 @@ class Run:
         yield event("response.created", response=self.body())
         yield event("response.in_progress", response=self.body())
         try:
-            async for kind, fields in self.events(prompt):
-                yield event(kind, **fields)
+            async with aclosing(self.events(prompt)) as events:
+                async for kind, fields in events:
+                    yield event(kind, **fields)
         except FoveaError as error:
             # The stream began with 200: it ends with an error event and response.failed, and
             # no response.completed, so a cut answer never looks finished.
