@@ -2,7 +2,9 @@
 
 The input becomes the same chat-template prompt and goes through the same image path as
 /v1/chat/completions (``load_image_bytes``: the sources, limits and error codes of chat's
-``image_url`` parts); only the shapes around it differ. A response is kept only when asked
+``image_url`` parts); only the shapes around it differ. Function tools are chat's, in the
+Responses shapes (serve/responses_tools.py); the output items, log-probabilities included, are
+built as the tokens arrive (serve/responses_output.py). A response is kept only when asked
 (``store: true``), in a bounded store (serve/responses_store.py).
 """
 

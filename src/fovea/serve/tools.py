@@ -7,7 +7,8 @@ does not mention tools, or writes calls in another format, refuses tool requests
 ``tool_choice``: ``"auto"`` lets the model choose (nothing is constrained); ``"required"`` or a
 named function is enforced by a grammar (an xgrammar structural tag over the calls' JSON
 schemas); ``"none"`` disables tools (they are not rendered). The deprecated ``functions`` /
-``function_call`` are read as ``tools`` / ``tool_choice``.
+``function_call`` are read as ``tools`` / ``tool_choice``. The Responses API runs the same
+checks, grammar, parsing and streamed-text holdback in its own shapes (serve/responses_tools.py).
 """
 
 from __future__ import annotations
