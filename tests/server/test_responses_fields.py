@@ -24,9 +24,10 @@ QUESTION = "Describe the image."
 NOOP_VALUES = {
     "user": "alice", "safety_identifier": "h", "prompt_cache_key": "k", "stream_options": {},
     "service_tier": "auto", "background": False, "truncation": "disabled",
-    "include": [], "top_logprobs": 0, "reasoning": {}, "tools": [], "tool_choice": "none",
-    "parallel_tool_calls": False, "max_tool_calls": 3,
+    "reasoning": {}, "max_tool_calls": 3,
 }
+TOOL = {"type": "function", "name": "count", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+LOGPROBS = "message.output_text.logprobs"
 
 
 def user_input(url: str = URL, question: str = QUESTION) -> list:
@@ -208,7 +209,86 @@ def _text(post, http):
     refused(post(text={"verbosity": "low"}), "text")
 
 
+# The demo model's template renders no tools: these checks show the refusals and what changes
+# without a tool template; tests/compat/test_openai_responses_tools.py shows calls being made.
+def _tools(post, http):
+    refused(post(tools=[TOOL]), "tools", code="tools_not_supported")
+    refused(post(tools=[{"type": "web_search"}]), "tools[0].type")
+    refused(post(tools=[TOOL, {"type": "mcp", "server_label": "x"}]), "tools[1].type")
+    refused(post(tools=[{**TOOL, "defer_loading": True}]), "tools[0].defer_loading")
+    assert ok(post(tools=[]))["tools"] == []
+
+
+def _tool_choice(post, http):
+    plain = ok(post(temperature=0))
+    disabled = ok(post(temperature=0, tools=[TOOL], tool_choice="none"))  # tools not rendered: the same prompt
+    assert disabled["usage"]["input_tokens"] == plain["usage"]["input_tokens"] and text_of(disabled) == ANSWER
+    assert disabled["tool_choice"] == "none" and disabled["tools"] == [TOOL]
+    refused(post(tool_choice="required"), "tool_choice", code="invalid_request")  # needs tools
+    refused(post(tools=[TOOL], tool_choice={"type": "allowed_tools", "mode": "auto", "tools": []}), "tool_choice")
+    refused(post(tools=[TOOL], tool_choice="sometimes"), "tool_choice", code="invalid_request")
+
+
+def _parallel_tool_calls(post, http):
+    assert ok(post(parallel_tool_calls=False))["parallel_tool_calls"] is False
+    refused(post(tools=[TOOL], parallel_tool_calls=False), "tools", code="tools_not_supported")
+
+
+def chat_logprobs(http, top: int) -> list:
+    reply = http.post("/v1/chat/completions", json={"messages": [chat_user()], "temperature": 0, "logprobs": True,
+                                                    "top_logprobs": top})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["logprobs"]["content"]
+
+
+def same_entries(got: list, want: list) -> bool:
+    """Log-probability entries equal but for float noise (a prompt read from the prefix cache)."""
+    def plain(entries):
+        return [(e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]]) for e in entries]
+
+    def values(entries):
+        return [v for e in entries for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))]
+    return plain(got) == plain(want) and values(got) == pytest.approx(values(want), abs=1e-4)
+
+
+def part_of(body: dict) -> dict:
+    (item,) = body["output"]
+    (part,) = item["content"]
+    return part
+
+
+def _include(post, http):
+    part = part_of(ok(post(temperature=0, include=[LOGPROBS])))
+    # The same entries as chat's for the same prompt: the text's tokens, each with its bytes.
+    assert same_entries(part["logprobs"], chat_logprobs(http, 0)) and len(part["logprobs"]) > 3
+    assert len(part["logprobs"]) == len(ANSWER.split()) and part["text"] == ANSWER  # a word-level vocabulary
+    assert all(e["top_logprobs"] == [] and e["logprob"] <= 0 and bytes(e["bytes"]).decode() == e["token"]
+               for e in part["logprobs"])
+    assert part_of(ok(post(temperature=0)))["logprobs"] == []  # only when asked
+    events = events_of(post(temperature=0, stream=True, include=[LOGPROBS]))
+    streamed = [e for ev in events if ev["type"] == "response.output_text.delta" for e in ev["logprobs"]]
+    assert streamed == part_of(events[-1]["response"])["logprobs"] and same_entries(streamed, part["logprobs"])
+    refused(post(include=["reasoning.encrypted_content"]), "include")
+    refused(post(include=[LOGPROBS, "message.input_image.image_url"]), "include")
+
+
+def _top_logprobs(post, http):
+    body = ok(post(temperature=0, include=[LOGPROBS], top_logprobs=3))
+    assert body["top_logprobs"] == 3
+    entries = part_of(body)["logprobs"]
+    assert same_entries(entries, chat_logprobs(http, 3))
+    for e in entries:
+        assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["logprob"] >= e["logprob"]
+        assert [t["logprob"] for t in e["top_logprobs"]] == sorted((t["logprob"] for t in e["top_logprobs"]),
+                                                                    reverse=True)
+    refused(post(top_logprobs=2), "top_logprobs", code="invalid_request")  # OpenAI needs the include too
+    refused(post(include=[LOGPROBS], top_logprobs=21), "top_logprobs", code="invalid_request")
+    assert ok(post(top_logprobs=0))["top_logprobs"] == 0
+
+
 HONOURED_CHECKS = {
+    "tools": _tools, "tool_choice": _tool_choice, "parallel_tool_calls": _parallel_tool_calls,
+    "include": _include, "top_logprobs": _top_logprobs,
     "model": _model, "input": _input, "instructions": _instructions, "max_output_tokens": _max_output_tokens,
     "temperature": _temperature, "top_p": _top_p, "stream": _stream, "store": _store,
     "previous_response_id": _previous_response_id, "metadata": _metadata, "text": _text,
@@ -248,8 +328,9 @@ def test_unknown_fields_and_items_are_refused(post, http):
     refused(post(max_tokens=4), "max_tokens")  # chat's name: refused, not quietly ignored
     refused(post(stream_options={}), "stream_options", code="invalid_request")  # without stream
     refused(post(stream=True, stream_options={"include_obfuscation": True}), "stream_options")
+    refused(http.post("/v1/responses", json={"input": [{"type": "item_reference", "id": "msg_1"}]}), "input[0].type")
     refused(http.post("/v1/responses", json={"input": [{"type": "function_call_output", "call_id": "c",
-                                                        "output": "x"}]}), "input[0].type")
+                                                        "output": "x"}]}), "input[0]", code="tools_not_supported")
 
 
 def test_aiperf_stream_options_are_accepted(post):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,8 +13,15 @@ from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch, render_chat
 from fovea.serve.generation import respond
 from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, VideoURLPart
 from fovea.serve.state import ServerState
-from fovea.serve.structured import requested_grammar
-from fovea.serve.tools import ToolFormat, ToolRequest, call_grammar, check_template, tool_request
+from fovea.serve.structured import refuse_with_tools, requested_grammar
+from fovea.serve.tools import (
+    ToolFormat,
+    ToolRequest,
+    call_grammar,
+    check_template,
+    template_call,
+    tool_request,
+)
 
 
 class TooManyImages(FoveaError):
@@ -100,16 +106,9 @@ def with_tool_fields(rendered: dict[str, Any], message: ChatMessage, i: int) -> 
     """An assistant's earlier tool calls (arguments as objects, as chat templates expect them)
     and a tool message's call id, for the template."""
     if message.tool_calls:
-        calls = []
-        for j, call in enumerate(message.tool_calls):
-            try:
-                arguments = json.loads(call.function.arguments)
-            except json.JSONDecodeError:
-                raise InvalidRequest("the arguments of an earlier tool call are not JSON.",
-                                     param=f"messages[{i}].tool_calls[{j}].function.arguments") from None
-            calls.append({"id": call.id, "type": "function",
-                          "function": {"name": call.function.name, "arguments": arguments}})
-        rendered["tool_calls"] = calls
+        rendered["tool_calls"] = [template_call(c.id, c.function.name, c.function.arguments,
+                                                f"messages[{i}].tool_calls[{j}].function.arguments")
+                                  for j, c in enumerate(message.tool_calls)]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     return rendered
@@ -184,10 +183,7 @@ def make_chat_router(state: ServerState) -> APIRouter:
         prompt, twin = await build_chat_prompt(state, req, tools)
         if tools is None:
             return await respond(state, req, prompt, twin)
-        other = requested_grammar(req)
-        if other is not None:
-            raise InvalidRequest(f"{other.param} cannot be combined with tools: send one or the other.",
-                                 code="conflicting_structured_outputs", param=other.param)
+        refuse_with_tools(requested_grammar(req))
         return await respond(state, req, prompt, twin, fmt=ToolFormat(), grammar=call_grammar(tools))
 
     return router

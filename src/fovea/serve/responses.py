@@ -2,7 +2,9 @@
 
 The input becomes the same chat-template prompt and goes through the same image path as
 /v1/chat/completions (``load_image_bytes``: the sources, limits and error codes of chat's
-``image_url`` parts); only the shapes around it differ. A response is kept only when asked
+``image_url`` parts); only the shapes around it differ. Function tools are chat's, in the
+Responses shapes (serve/responses_tools.py); the output items, log-probabilities included, are
+built as the tokens arrive (serve/responses_output.py). A response is kept only when asked
 (``store: true``), in a bounded store (serve/responses_store.py).
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -28,20 +31,24 @@ from fovea.serve.chat import (
     refuse_typed_video_token,
 )
 from fovea.serve.fields import UnsupportedParameter
-from fovea.serve.generation import failure, run_to_finish, sampling_params
+from fovea.serve.generation import failure, log_finish, sampling_params
+from fovea.serve.logprobs_format import LogprobFormatter
 from fovea.serve.protocol import SamplingFields
 from fovea.serve.responses_api import (
     EventWriter,
+    FunctionCallItem,
+    FunctionCallOutputItem,
     InputImage,
     ResponsesRequest,
-    message_item,
     new_id,
-    output_text,
     response_object,
 )
+from fovea.serve.responses_output import ResponseOutput
 from fovea.serve.responses_store import ResponseStore, Turn
+from fovea.serve.responses_tools import call_turn, check_tool_turns, output_turn, tool_request
 from fovea.serve.state import ServerState
-from fovea.serve.structured import compile_spec, text_format_grammar
+from fovea.serve.structured import compile_spec, refuse_with_tools, text_format_grammar
+from fovea.serve.tools import call_grammar, template_call
 
 FROM_PREVIOUS = "previous_response_id"  # the request path named for a refusal in a stored turn
 
@@ -50,8 +57,14 @@ def input_turns(req: ResponsesRequest) -> list[Turn]:
     """The request's input as conversation turns; each part keeps its request path in ``where``."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": [{"type": "text", "text": req.input, "where": "input"}]}]
-    turns = []
+    turns: list[Turn] = []
     for i, message in enumerate(req.input):
+        if isinstance(message, FunctionCallItem):
+            call_turn(turns, message, f"input[{i}]")
+            continue
+        if isinstance(message, FunctionCallOutputItem):
+            turns.append(output_turn(message, f"input[{i}]"))
+            continue
         if isinstance(message.content, str):
             turns.append({"role": message.role, "content": [{"type": "text", "text": message.content,
                                                              "where": f"input[{i}].content"}]})
@@ -101,14 +114,43 @@ def template_messages(state: ServerState, instructions: str | None, turns: list[
                 refuse_typed_video_token(state, part["text"], where)
                 parts.append({"type": "text", "text": part["text"]})
         one_text = len(parts) == 1 and parts[0]["type"] == "text"
-        messages.append({"role": turn["role"], "content": parts[0]["text"] if one_text else parts})
+        message = {"role": turn["role"], "content": parts[0]["text"] if one_text else parts}
+        if turn.get("tool_calls"):
+            for call in turn["tool_calls"]:  # rendered into the prompt as the arguments' JSON
+                refuse_typed_placeholder(call["arguments"], image_token, call.get("where", FROM_PREVIOUS))
+                refuse_typed_video_token(state, call["arguments"], call.get("where", FROM_PREVIOUS))
+            message["tool_calls"] = [template_call(c["id"], c["name"], c["arguments"], c.get("where", FROM_PREVIOUS))
+                                     for c in turn["tool_calls"]]
+        if "tool_call_id" in turn:
+            message["tool_call_id"] = turn["tool_call_id"]
+        messages.append(message)
     return messages, refs
+
+
+def _without_paths(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in p.items() if k != "where"} for p in parts]
 
 
 def stored_turns(turns: list[Turn]) -> list[Turn]:
     """Turns as the store keeps them: without this request's paths."""
-    return [{"role": t["role"], "content": [{k: v for k, v in p.items() if k != "where"} for p in t["content"]]}
-            for t in turns]
+    out = []
+    for t in turns:
+        turn = {**t, "content": _without_paths(t["content"])}
+        if "tool_calls" in t:
+            turn["tool_calls"] = _without_paths(t["tool_calls"])
+        out.append(turn)
+    return out
+
+
+def answer_turn(output: list[dict[str, Any]]) -> Turn:
+    """The answer as the store keeps it: its text and its calls, one assistant turn."""
+    turn: Turn = {"role": "assistant", "content": [{"type": "text", "text": part["text"]} for item in output
+                                                   if item["type"] == "message" for part in item["content"]]}
+    calls = [{"id": i["call_id"], "name": i["name"], "arguments": i["arguments"]} for i in output
+             if i["type"] == "function_call"]
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
 
 
 def remap_max_tokens(error: FoveaError) -> FoveaError:
@@ -127,24 +169,30 @@ def make_responses_router(state: ServerState, store: ResponseStore | None = None
         check_model_name(state, req.model)
         history = store.get(req.previous_response_id, FROM_PREVIOUS).conversation if req.previous_response_id else []
         turns = [*history, *input_turns(req)]
+        check_tool_turns(state.loaded, turns)
+        tools = tool_request(req, state.loaded)
         if req.store:
             store.check_fits(turns)
         messages, refs = template_messages(state, req.instructions, turns)
         images = await load_image_bytes(state, refs)
-        prompt, _ = await state.preprocessor.prompts(render_chat(state.loaded, messages), images)
+        prompt, _ = await state.preprocessor.prompts(render_chat(state.loaded, messages, tools and tools.tools), images)
         params = sampling_params(state, SamplingFields(max_tokens=req.max_output_tokens, temperature=req.temperature,
                                                        top_p=req.top_p), prompt)
-        params.grammar = await compile_spec(state, text_format_grammar(req.text))  # None: free text
+        params.logprobs = (req.top_logprobs or 0) if req.wants_logprobs else None
+        spec = text_format_grammar(req.text)
+        if tools is not None:
+            refuse_with_tools(spec)
+            spec = call_grammar(tools)
+        params.grammar = await compile_spec(state, spec)  # None: free text
         try:
             state.engine.check_fits(prompt, params)  # 400 before any streaming starts
         except FoveaError as exc:
             raise remap_max_tokens(exc) from None
-        run = Run(state, store, req, turns, params)
+        run = Run(state, store, req, turns, params, tools is not None)
         if req.stream:
             return StreamingResponse(run.stream(prompt), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        finish = await run_to_finish(state, prompt, params, run.rid)
-        return JSONResponse(run.finished(finish))
+        return JSONResponse(await run.collect(prompt))
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, request: Request):
@@ -162,52 +210,71 @@ def make_responses_router(state: ServerState, store: ResponseStore | None = None
 
 
 class Run:
-    """One response being made: its ids, the settings it echoes, and what it stores at the end."""
+    """One response being made: its ids, the settings it echoes, its output as it is built, and
+    what it stores at the end."""
 
     def __init__(self, state: ServerState, store: ResponseStore, req: ResponsesRequest, turns: list[Turn],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, tools: bool) -> None:
         self.state, self.store, self.req, self.turns = state, store, req, turns
-        self.rid, self.item_id, self.created = new_id("resp"), new_id("msg"), time.time()
+        self.rid, self.created = new_id("resp"), time.time()
         self.temperature, self.top_p = params.temperature, params.top_p
         self.params = params
+        formatter = LogprobFormatter(state.loaded.tokenizer, "chat") if params.logprobs is not None else None
+        self.output = ResponseOutput(new_id("msg"), tools, formatter)
 
     def body(self, **kw: Any) -> dict[str, Any]:
         return response_object(self.rid, self.req, self.state.model_name, self.created, self.temperature,
                                self.top_p, **kw)
 
     def finished(self, finish: FinishEvent) -> dict[str, Any]:
-        """The final Response object; stored when asked."""
+        """The final Response object (after ``output.on_finish``); stored when asked."""
         status = "completed" if finish.finish_reason == "stop" else "incomplete"
-        body = self.body(status=status, output=[message_item(self.item_id, status, finish.text)],
-                         usage=(finish.prompt_tokens, finish.completion_tokens))
+        body = self.body(status=status, output=self.output.items, usage=(finish.prompt_tokens, finish.completion_tokens))
         if self.req.store:
-            answer = {"role": "assistant", "content": [{"type": "text", "text": finish.text}]}
-            self.store.put(self.rid, body, [*stored_turns(self.turns), answer])
+            self.store.put(self.rid, body, [*stored_turns(self.turns), answer_turn(self.output.items)])
         return body
 
+    async def events(self, prompt: EncodedPrompt) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The stream's events after response.in_progress; the last is the final Response's."""
+        state = self.state
+        for item in self.output.start():
+            yield item
+        # Closed at once when the consumer stops (a client gone): the engine cancels the request.
+        async with aclosing(state.engine.generate(prompt, self.params, self.rid)) as updates:
+            async for update in updates:
+                if isinstance(update, TokenEvent):
+                    for item in self.output.on_token(update):
+                        yield item
+                elif isinstance(update, FinishEvent):
+                    state.metrics.observe_finish(update.first_token_s, update.total_s, update.completion_tokens)
+                    log_finish(state, prompt, update, self.rid)
+                    for item in self.output.on_finish(update):
+                        yield item
+                    body = self.finished(update)
+                    yield f"response.{body['status']}", {"response": body}  # completed | incomplete
+                elif isinstance(update, ErrorEvent):
+                    raise failure(update.error)
+
+    async def collect(self, prompt: EncodedPrompt) -> dict[str, Any]:
+        """The non-streamed answer: the same events, only the last one kept."""
+        last: dict[str, Any] = {}
+        async with aclosing(self.events(prompt)) as events:
+            async for _, fields in events:
+                last = fields
+        return last["response"]
+
     async def stream(self, prompt: EncodedPrompt) -> AsyncIterator[str]:
-        event, state, item_id = EventWriter(), self.state, self.item_id
-        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        event = EventWriter()
         yield event("response.created", response=self.body())
         yield event("response.in_progress", response=self.body())
-        yield event("response.output_item.added", output_index=0, item=message_item(item_id, "in_progress", None))
-        yield event("response.content_part.added", **where, part=output_text(""))
-        async for update in state.engine.generate(prompt, self.params, self.rid):
-            if isinstance(update, TokenEvent):
-                if update.text:
-                    yield event("response.output_text.delta", **where, delta=update.text, logprobs=[])
-            elif isinstance(update, FinishEvent):
-                state.metrics.observe_finish(update.first_token_s, update.total_s, update.completion_tokens)
-                body = self.finished(update)
-                yield event("response.output_text.done", **where, text=update.text, logprobs=[])
-                yield event("response.content_part.done", **where, part=output_text(update.text))
-                yield event("response.output_item.done", output_index=0, item=body["output"][0])
-                yield event(f"response.{body['status']}", response=body)  # completed | incomplete
-            elif isinstance(update, ErrorEvent):
-                # The stream began with 200: it ends with an error event and response.failed, and
-                # no response.completed, so a cut answer never looks finished.
-                error = failure(update.error)
-                state.metrics.observe_error_code(error.code)
-                yield event("error", code=error.code, message=error.message, param=error.param)
-                yield event("response.failed", response=self.body(
-                    status="failed", error={"code": error.code, "message": error.message}))
+        try:
+            async with aclosing(self.events(prompt)) as events:
+                async for kind, fields in events:
+                    yield event(kind, **fields)
+        except FoveaError as error:
+            # The stream began with 200: it ends with an error event and response.failed, and
+            # no response.completed, so a cut answer never looks finished.
+            self.state.metrics.observe_error_code(error.code)
+            yield event("error", code=error.code, message=error.message, param=error.param)
+            yield event("response.failed", response=self.body(
+                status="failed", error={"code": error.code, "message": error.message}))

@@ -9,8 +9,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fovea.engine.sampling import MAX_LOGPROBS
+from fovea.errors import InvalidRequest
 from fovea.serve import responses_fields
 from fovea.serve.fields import UnsupportedParameter
+from fovea.serve.responses_fields import LOGPROBS_INCLUDE
 
 
 class _Lenient(BaseModel):
@@ -47,11 +50,32 @@ class InputMessage(_Lenient):
     content: str | Annotated[list[Part], Field(min_length=1)]
 
 
+class FunctionCallItem(_Lenient):
+    """An earlier answer's function call sent back as input (serve/responses_tools.py renders it)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str  # JSON, as the answer gave it
+
+
+class FunctionCallOutputItem(_Lenient):
+    """A function's result for the call ``call_id``: text, or a list of ``input_text`` parts."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[dict[str, Any]]
+
+
+ITEM_TYPES = ("message", "function_call", "function_call_output")
+InputItem = Annotated[InputMessage | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # check_body has refused every field not in the table
 
     model: str | None = None
-    input: str | Annotated[list[InputMessage], Field(min_length=1)]
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -63,8 +87,11 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[Any] | None = None  # function tools (serve/responses_tools.py)
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    include: list[str] | None = None  # only "message.output_text.logprobs" (responses_fields.py)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     text: dict[str, Any] | None = None  # {"format": ...}: structured outputs (serve/structured.py)
 
     @model_validator(mode="before")
@@ -72,13 +99,29 @@ class ResponsesRequest(BaseModel):
     def _no_silent_ignore(cls, data):
         responses_fields.check_body(data)  # raises UnsupportedParameter (400), which pydantic passes on
         if isinstance(data, dict) and isinstance(data.get("input"), list):
+            items = []
             for i, item in enumerate(data["input"]):
                 kind = item.get("type", "message") if isinstance(item, dict) else "message"
-                if kind != "message":
-                    raise UnsupportedParameter(f"input[{i}] is a {kind!r} item; fovea takes message items only "
-                                               "(it has no tools, reasoning items or item references).",
-                                               param=f"input[{i}].type")
+                if kind not in ITEM_TYPES:
+                    raise UnsupportedParameter(f"input[{i}] is a {kind!r} item; fovea takes message, function_call "
+                                               "and function_call_output items only (it has no built-in tools, "
+                                               "reasoning items or item references).", param=f"input[{i}].type")
+                items.append({**item, "type": kind} if isinstance(item, dict) else item)  # the union's tag
+            data = {**data, "input": items}
         return data
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_the_include(self):
+        if self.top_logprobs and not self.wants_logprobs:
+            # OpenAI returns log-probabilities only with the include: top_logprobs alone would be
+            # a field quietly ignored.
+            raise InvalidRequest(f"top_logprobs needs include: [\"{LOGPROBS_INCLUDE}\"] (as in OpenAI's API, the "
+                                 "log-probabilities come only with it).", param="top_logprobs")
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or [])
 
     @field_validator("input")
     @classmethod
@@ -99,13 +142,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, status: str, text: str | None) -> dict[str, Any]:
-    content = [] if text is None else [output_text(text)]
+def message_item(item_id: str, status: str, text: str | None, logprobs: list[dict] | None = None) -> dict[str, Any]:
+    content = [] if text is None else [output_text(text, logprobs)]
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def function_call_item(item_id: str, status: str, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}
 
 
 def response_object(rid: str, req: ResponsesRequest, model: str, created: float, temperature: float, top_p: float,
@@ -119,9 +167,10 @@ def response_object(rid: str, req: ResponsesRequest, model: str, created: float,
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model,
-        "output": output or [], "parallel_tool_calls": bool(req.parallel_tool_calls),
+        "output": output or [], "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id, "temperature": temperature, "top_p": top_p,
-        "tool_choice": req.tool_choice or "none", "tools": [],
+        "tool_choice": req.tool_choice or ("auto" if req.tools else "none"), "tools": req.tools or [],
+        "top_logprobs": req.top_logprobs or 0,
         "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "truncation": "disabled", "background": False, "service_tier": "default", "store": req.store,
         "metadata": req.metadata or {}, "user": req.user, "safety_identifier": req.safety_identifier,

@@ -31,7 +31,8 @@ def _field(name: str, status: str, note: str, **kw: Any) -> Field:
     return Field(name, status, note, ONLY, **kw)
 
 
-_TOOLS = "fovea has no tool calling; leave it out and describe tools in the prompt"
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_TOOLS_DOC = "(docs/structured-outputs.md, \"Tools\")"
 _STATE = "fovea keeps conversations only as stored responses: send `store: true` and `previous_response_id`"
 
 FIELDS: tuple[Field, ...] = (
@@ -41,7 +42,8 @@ FIELDS: tuple[Field, ...] = (
     _field("input", HONOURED, "a string (one user message) or a list of messages whose content is a string or "
            "`input_text` / `input_image` parts (assistant messages: `output_text` parts); an `input_image` takes "
            "`image_url` (a data URL or an allowed URL, as chat's `image_url`) or `file_id` (an id from POST "
-           "/v1/images)"),
+           "/v1/images); `function_call` and `function_call_output` items (an earlier call and its result) render as "
+           "the chat template's assistant tool call and `tool` turn"),
     _field("instructions", HONOURED, "a system message placed first; not carried over by `previous_response_id`",
            example="Answer briefly."),
     _field("max_output_tokens", HONOURED, "the most tokens generated; reaching it makes the response "
@@ -59,6 +61,27 @@ FIELDS: tuple[Field, ...] = (
            example="resp_0"),
     _field("metadata", HONOURED, "up to 16 string pairs (keys up to 64 characters, values up to 512), echoed in "
            "the response and kept with a stored one", example={"k": "v"}),
+    _field("text", HONOURED, "`{\"format\": {\"type\": \"json_schema\", \"name\", \"schema\", \"strict\"}}` or "
+           "`{\"type\": \"json_object\"}`: structured outputs, as chat's `response_format` "
+           "(docs/structured-outputs.md); `{\"type\": \"text\"}` is free text; `verbosity` is refused",
+           values=lambda v: isinstance(v, dict) and v.get("verbosity") is not None,
+           example={"format": {"type": "json_object"}}),
+    _field("tools", HONOURED, "function tools, `{\"type\": \"function\", \"name\", \"description\", \"parameters\", "
+           "\"strict\"}`, where the model's chat template renders tools (else 400 `tools_not_supported`); each call "
+           "is a `function_call` output item " + _TOOLS_DOC + "; other tool types (`web_search`, `file_search`, "
+           "`mcp`, ...) are refused by `tools[i].type`", example=[{"type": "function", "name": "f", "parameters": {}}]),
+    _field("tool_choice", HONOURED, "`\"auto\"` (the default with tools), `\"none\"` (tools not rendered), "
+           "`\"required\"` or `{\"type\": \"function\", \"name\"}`, both enforced by a grammar; other choices "
+           "(`allowed_tools`, built-in tools, `mcp`) are refused", example="required"),
+    _field("parallel_tool_calls", HONOURED, "with tools, `false` allows at most one call (the default `true`: "
+           "one or more)", example=False),
+    _field("include", HONOURED, f"`[\"{LOGPROBS_INCLUDE}\"]` adds the tokens' log-probabilities to the "
+           "`output_text` part (`logprobs`) and to each `response.output_text.delta`; other values are refused",
+           values=lambda v: not isinstance(v, list) or any(x != LOGPROBS_INCLUDE for x in v),
+           example=[LOGPROBS_INCLUDE]),
+    _field("top_logprobs", HONOURED, f"0 to 20 alternatives per token, with `include: [\"{LOGPROBS_INCLUDE}\"]` "
+           "only (OpenAI returns log-probabilities only then; more than 0 without it is a 400 `invalid_request`)",
+           example=2),
     # Accepted where they change nothing.
     _field("user", NOOP, "any string: an end-user id, echoed in the response; it does not change the answer",
            example="alice"),
@@ -76,24 +99,10 @@ FIELDS: tuple[Field, ...] = (
            example=True),
     _field("truncation", NOOP, "only `\"disabled\"`: an input too long for the context is a 400 "
            "`context_length_exceeded`, never cut", values=lambda v: v == "disabled", example="auto"),
-    _field("text", HONOURED, "`{\"format\": {\"type\": \"json_schema\", \"name\", \"schema\", \"strict\"}}` or "
-           "`{\"type\": \"json_object\"}`: structured outputs, as chat's `response_format` "
-           "(docs/structured-outputs.md); `{\"type\": \"text\"}` is free text; `verbosity` is refused",
-           values=lambda v: isinstance(v, dict) and v.get("verbosity") is not None,
-           example={"format": {"type": "json_object"}}),
-    _field("include", NOOP, "only `[]`: fovea has no extra output data (log-probabilities, tool results) to add",
-           values=lambda v: v == [], example=["message.output_text.logprobs"]),
-    _field("top_logprobs", NOOP, "only 0: fovea returns no log-probabilities here",
-           values=lambda v: _is_int(v) and v == 0, example=2),
     _field("reasoning", NOOP, "only `{}`: the served models do not reason", values=lambda v: v == {},
            example={"effort": "low"}),
-    _field("tools", NOOP, "only `[]`. " + _TOOLS, values=lambda v: v == [],
-           example=[{"type": "function", "name": "f", "parameters": {}}]),
-    _field("tool_choice", NOOP, "only `\"none\"` or `\"auto\"`, which mean the same with no tools. " + _TOOLS,
-           values=lambda v: v in ("none", "auto"), example="required"),
-    _field("parallel_tool_calls", NOOP, "any boolean: it only matters with tools, and tools are refused",
-           values=lambda v: isinstance(v, bool), example="yes"),
-    _field("max_tool_calls", NOOP, "any integer of 0 or more: no tool is ever called",
+    _field("max_tool_calls", NOOP, "any integer of 0 or more: it counts calls of built-in tools, which fovea has "
+           "none of (function calls are not counted, as in OpenAI's API)",
            values=lambda v: _is_int(v) and v >= 0, example=-1),
     # Refused whatever the value (null aside).
     _field("conversation", REFUSED, "fovea has no conversation objects; " + _STATE, example="conv_1"),

@@ -29,12 +29,16 @@ class TooLargeToStore(FoveaError):
 
 
 # A conversation turn as the server keeps it: {"role": ..., "content": [part, ...]}, each part
-# {"type": "text", "text": ...} or {"type": "image", "ref": <the image_url or file_id sent>}.
+# {"type": "text", "text": ...} or {"type": "image", "ref": <the image_url or file_id sent>};
+# an assistant turn may add "tool_calls": [{"id", "name", "arguments"}], and a "tool" turn
+# (a function's output) has "tool_call_id".
 Turn = dict[str, Any]
 
 
 def conversation_bytes(turns: list[Turn]) -> int:
-    return sum(len(p.get("text") or p.get("ref") or "") + 16 for t in turns for p in t["content"])
+    parts = sum(len(p.get("text") or p.get("ref") or "") + 16 for t in turns for p in t["content"])
+    calls = sum(len(c["id"]) + len(c["name"]) + len(c["arguments"]) + 16 for t in turns for c in t.get("tool_calls", ()))
+    return parts + calls + sum(len(t.get("tool_call_id", "")) for t in turns)
 
 
 @dataclass(frozen=True)

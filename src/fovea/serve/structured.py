@@ -156,11 +156,17 @@ async def compile_request_grammar(state: Any, req: Any, added: GrammarSpec | Non
     ``added``: the endpoint's own (tool calls), which excludes the request's."""
     spec = requested_grammar(req)
     if added is not None:
-        if spec is not None:
-            raise InvalidRequest(f"{spec.param} cannot be combined with tools: send one or the other.",
-                                 code="conflicting_structured_outputs", param=spec.param)
+        refuse_with_tools(spec)
         spec = added
     return await compile_spec(state, spec)
+
+
+def refuse_with_tools(spec: GrammarSpec | None) -> None:
+    """Tool calls have their own grammar (or none, for ``auto``): a request's output format
+    cannot be enforced beside it."""
+    if spec is not None:
+        raise InvalidRequest(f"{spec.param} cannot be combined with tools: send one or the other.",
+                             code="conflicting_structured_outputs", param=spec.param)
 
 
 async def compile_spec(state: Any, spec: GrammarSpec | None) -> Any:

@@ -7,7 +7,8 @@ does not mention tools, or writes calls in another format, refuses tool requests
 ``tool_choice``: ``"auto"`` lets the model choose (nothing is constrained); ``"required"`` or a
 named function is enforced by a grammar (an xgrammar structural tag over the calls' JSON
 schemas); ``"none"`` disables tools (they are not rendered). The deprecated ``functions`` /
-``function_call`` are read as ``tools`` / ``tool_choice``.
+``function_call`` are read as ``tools`` / ``tool_choice``. The Responses API runs the same
+checks, grammar, parsing and streamed-text holdback in its own shapes (serve/responses_tools.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,31 +65,37 @@ def check_template(loaded: Any, what: str, param: str) -> None:
                                 f"parse (fovea parses {CALL_OPEN}{{...}}{CALL_CLOSE}).", param=param)
 
 
+def function_spec(fn: dict[str, Any], where: str) -> dict[str, Any]:
+    """One function's ``name``, ``description``, ``parameters`` (and ``strict``, always enforced
+    by the grammar), checked; ``where`` is its request path. Chat nests it under ``function``,
+    the Responses API sends it flat."""
+    unknown = set(fn) - {"name", "description", "parameters", "strict"}
+    if unknown:
+        raise InvalidRequest(f"{where} takes name, description, parameters and strict, not {sorted(unknown)}.",
+                             param=where)
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidRequest(f"{where}.name must be 1-64 letters, digits, _ or -.", param=f"{where}.name")
+    params = fn.get("parameters")
+    params = {"type": "object", "properties": {}} if params is None else params
+    if not isinstance(params, dict):
+        raise InvalidRequest(f"{where}.parameters must be a JSON schema object.", param=f"{where}.parameters")
+    out = {"name": name, "parameters": params}
+    if isinstance(fn.get("description"), str):
+        out["description"] = fn["description"]
+    return out
+
+
 def _function(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(
             tool.get("function"), dict):
         raise InvalidRequest(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                              "\"parameters\": {...}}}}.", param=where)
-    fn = tool["function"]
-    unknown = set(fn) - {"name", "description", "parameters", "strict"}
-    if unknown:
-        raise InvalidRequest(f"{where}.function takes name, description, parameters and strict, not {sorted(unknown)}.",
-                             param=f"{where}.function")
-    name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise InvalidRequest(f"{where}.function.name must be 1-64 letters, digits, _ or -.", param=f"{where}.function.name")
-    params = fn.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(params, dict):
-        raise InvalidRequest(f"{where}.function.parameters must be a JSON schema object.",
-                             param=f"{where}.function.parameters")
-    out = {"name": name, "parameters": params}
-    if isinstance(fn.get("description"), str):
-        out["description"] = fn["description"]
-    return {"type": "function", "function": out}
+    return {"type": "function", "function": function_spec(tool["function"], f"{where}.function")}
 
 
 def tool_request(req: Any, loaded: Any) -> ToolRequest | None:
-    """The request's tools (None: no tools, or disabled by ``tool_choice: "none"``)."""
+    """Chat's tools (None: no tools, or disabled by ``tool_choice: "none"``)."""
     tools, choice, where = req.tools, req.tool_choice, "tools"
     if req.functions is not None or req.function_call is not None:  # deprecated: the same, older shape
         if tools is not None or choice is not None:
@@ -97,30 +105,36 @@ def tool_request(req: Any, loaded: Any) -> ToolRequest | None:
         call = req.function_call
         choice = {"type": "function", "function": call} if isinstance(call, dict) else call
         where = "functions"
+    named = None
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        named = choice["function"].get("name")
+    elif choice not in (None, "none", "auto", "required"):
+        raise InvalidRequest("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                             "\"function\": {\"name\": ...}}.", param="tool_choice")
+    return resolve_tools(loaded, tools, "named" if isinstance(choice, dict) else choice, named,
+                         req.parallel_tool_calls, where, _function)
+
+
+def resolve_tools(loaded: Any, tools: list[Any] | None, choice: str | None, named: str | None,
+                  parallel: bool | None, where: str, check: Callable[[Any, str], dict[str, Any]]
+                  ) -> ToolRequest | None:
+    """The checked tools of chat or the Responses API; ``choice`` is None, "none", "auto",
+    "required" or "named" (then ``named`` is the function); ``check`` turns one tool of the
+    request's shape into chat's, refusing a bad one."""
     if not tools or choice == "none":
         if choice not in (None, "none", "auto") and not tools:
             raise InvalidRequest("tool_choice needs tools.", param="tool_choice")
         return None
     check_template(loaded, where, where)
-    checked = [_function(t, f"{where}[{i}]") for i, t in enumerate(tools)]
+    checked = [check(t, f"{where}[{i}]") for i, t in enumerate(tools)]
     names = [t["function"]["name"] for t in checked]
     if len(set(names)) != len(names):
         raise InvalidRequest("two tools have the same name.", param=where)
-    name = None
-    if choice in (None, "auto"):
-        kind = "auto"
-    elif choice == "required":
-        kind = "required"
-    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
-        kind, name = "named", choice["function"].get("name")
-        if name not in names:
-            raise InvalidRequest(f"tool_choice names {name!r}, which is not one of the tools {names}.",
-                                 param="tool_choice")
-    else:
-        raise InvalidRequest("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
-                             "\"function\": {\"name\": ...}}.", param="tool_choice")
-    parallel = True if req.parallel_tool_calls is None else bool(req.parallel_tool_calls)
-    return ToolRequest(checked, kind, name, parallel)
+    if choice == "named" and named not in names:
+        raise InvalidRequest(f"tool_choice names {named!r}, which is not one of the tools {names}.",
+                             param="tool_choice")
+    kind = "auto" if choice is None else choice
+    return ToolRequest(checked, kind, named if kind == "named" else None, True if parallel is None else bool(parallel))
 
 
 def _call_tag(tool: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +164,15 @@ def call_grammar(tools: ToolRequest) -> GrammarSpec | None:
     return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), "tool_choice")
 
 
+def template_call(call_id: str | None, name: str, arguments: str, param: str) -> dict[str, Any]:
+    """An earlier call as chat templates expect it: its arguments JSON as an object."""
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        raise InvalidRequest("the arguments of an earlier tool call are not JSON.", param=param) from None
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": parsed}}
+
+
 def template_messages_tools(tools: ToolRequest | None) -> list[dict[str, Any]] | None:
     return None if tools is None else tools.tools
 
@@ -176,6 +199,32 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return (content or None), calls
 
 
+class CallHoldback:
+    """One answer's text as it streams: released up to the first ``<tool_call>`` (and held while
+    a suffix could begin one); at the end, the calls and the text not yet released."""
+
+    def __init__(self) -> None:
+        self.full = ""
+        self.sent = 0  # characters already released
+
+    def feed(self, text: str) -> str:
+        """The new text that may be released now ("" while held back)."""
+        self.full += text
+        at = self.full.find(CALL_OPEN)
+        end = at if at >= 0 else len(self.full) - _open_prefix(self.full)
+        if end <= self.sent:
+            return ""
+        released, self.sent = self.full[self.sent:end], end
+        return released
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(the rest to release: all the held-back text when there are no calls, else the text
+        between and after them; the calls in chat's shape)."""
+        _, calls = parse_tool_calls(self.full)
+        rest = self.full[self.sent:]
+        return (_CALL.sub("", rest).strip(), calls) if calls else (rest, [])
+
+
 class ToolFormat(Format):
     """Chat answers whose tool calls become ``tool_calls``; streamed text is held back from the
     first ``<tool_call>`` on (and while a suffix could begin one), and the calls are sent whole
@@ -184,8 +233,7 @@ class ToolFormat(Format):
 
     def __init__(self) -> None:
         super().__init__("chat")
-        self.text: dict[int, str] = {}
-        self.sent: dict[int, int] = {}  # per choice: characters of its text already streamed as content
+        self.held: dict[int, CallHoldback] = {}
 
     def choice(self, index: int, finish: FinishEvent, logprobs: dict | None) -> dict:
         body = super().choice(index, finish, logprobs)
@@ -197,30 +245,19 @@ class ToolFormat(Format):
         return body
 
     def on_text(self, rid, model, created, text: str, index: int = 0, logprobs: dict | None = None) -> list[dict]:
-        full = self.text[index] = self.text.get(index, "") + text
-        sent = self.sent.get(index, 0)
-        at = full.find(CALL_OPEN)
-        end = at if at >= 0 else len(full) - _open_prefix(full)
-        if end <= sent:
+        released = self.held.setdefault(index, CallHoldback()).feed(text)
+        if not released:
             # Held back; the token's log-probabilities still go out, with no text.
             return [] if logprobs is None else [self.delta(rid, model, created, "", index=index, logprobs=logprobs)]
-        self.sent[index] = end
-        return [self.delta(rid, model, created, full[sent:end], index=index, logprobs=logprobs)]
+        return [self.delta(rid, model, created, released, index=index, logprobs=logprobs)]
 
     def on_finish(self, rid, model, created, finish_reason: str, index: int = 0) -> list[dict]:
-        full, sent = self.text.get(index, ""), self.sent.get(index, 0)
-        _, calls = parse_tool_calls(full)
-        if not calls:  # no call after all: the held-back text is content
-            rest = full[sent:]
-            out = [self.delta(rid, model, created, rest, index=index)] if rest else []
-            return [*out, self.delta(rid, model, created, "", finish_reason, index=index)]
-        tail = _CALL.sub("", full[sent:]).strip()  # text between or after the calls
-        out = [self.delta(rid, model, created, tail, index=index)] if tail else []
+        rest, calls = self.held.setdefault(index, CallHoldback()).finish()
+        out = [self.delta(rid, model, created, rest, index=index)] if rest else []
         for i, call in enumerate(calls):
             out.append(protocol.chat_chunk(rid, model, created, {"tool_calls": [{"index": i, **call}]}, index=index))
-        out.append(self.delta(rid, model, created, "", "tool_calls" if finish_reason == "stop" else finish_reason,
-                              index=index))
-        return out
+        reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        return [*out, self.delta(rid, model, created, "", reason, index=index)]
 
 
 def _open_prefix(text: str) -> int:
