@@ -256,7 +256,9 @@ class PagedEngine:
         launched, then the previous step's tokens are read back and emitted while the GPU runs
         this one. Decodes whose input token is still on the device read it there
         (``staging.pending_token``). A sequence that the previous step finished has one wasted
-        row in this step. Without it, each step's tokens are read right after its launch.
+        row in this step. A step with a structured row reads the previous step's tokens between
+        its forward and its sampling instead (``_complete_before_sampling``). Without the
+        overlap, each step's tokens are read right after its launch.
         """
         phases, t0 = self.phase_seconds, time.perf_counter()
         for seq in self.scheduler.all_sequences():
