@@ -88,11 +88,9 @@ class CallStream:
         return [("arguments", self.calls.index(call), piece)]
 
     def _progress(self) -> list[CallEvent]:
-        scanner = self.scanner
-        if scanner.broken:
-            return []  # nothing more from this block; the end decides
+        scanner = self.scanner  # once broken, it says no more (the end decides)
         events: list[CallEvent] = []
-        if self.current is None and scanner.name is not None:
+        if self.current is None and scanner.name is not None and not scanner.broken:
             events += self._begin(scanner.name)  # arguments written before the name waited for it
         if self.current is not None:
             events += self._send(self.current, scanner.partial_arguments)
