@@ -9,6 +9,7 @@ named function is enforced by a grammar (an xgrammar structural tag over the cal
 schemas); ``"none"`` disables tools (they are not rendered). The deprecated ``functions`` /
 ``function_call`` are read as ``tools`` / ``tool_choice``. The Responses API runs the same
 checks, grammar, parsing and streamed-text holdback in its own shapes (serve/responses_tools.py).
+Streamed calls: serve/tool_stream.py (when their pieces go out), serve/tool_chunks.py (chat's chunks).
 """
 
 from __future__ import annotations
