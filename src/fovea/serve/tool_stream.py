@@ -52,16 +52,17 @@ class CallStream:
         self.calls: list[StreamedCall] = []
 
     def feed(self, text: str) -> list[CallEvent]:
+        old = len(self.full)  # a tag not found before ends in the new text: look only near it
         self.full += text
         events: list[CallEvent] = []
         while True:
             if self.body is None:
-                at = self.full.find(CALL_OPEN, self.pos)
+                at = self.full.find(CALL_OPEN, max(self.pos, old - len(CALL_OPEN) + 1))
                 if at < 0:
                     return events
                 self.body = self.fed = at + len(CALL_OPEN)
                 self.scanner, self.current = CallScanner(), None
-            close = self.full.find(CALL_CLOSE, self.body)
+            close = self.full.find(CALL_CLOSE, max(self.body, old - len(CALL_CLOSE) + 1))
             # A suffix that could begin </tool_call> waits: the block may end there.
             limit = close if close >= 0 else max(self.fed, len(self.full) - _close_prefix(self.full))
             if limit > self.fed:
