@@ -9,6 +9,7 @@ import pytest
 
 from fovea.engine.request import FinishEvent
 from fovea.serve.tool_chunks import ToolFormat
+from fovea.serve.tool_stream import ToolCallIncomplete
 from fovea.serve.tools import ToolsNotSupported, check_template, parse_tool_calls
 from fovea.testing import random_qwen2_5_vl
 from fovea.testing.byte_level_model import TOOLS_TEMPLATE
@@ -58,3 +59,18 @@ def test_template_check(template, ok):
     else:
         with pytest.raises(ToolsNotSupported):
             check_template(loaded, "tools", "tools")
+
+
+def test_stream_sends_arguments_as_written_where_a_grammar_enforces_the_call():
+    fmt = ToolFormat(incremental=True)
+    pieces = ['<tool_call>\n{"name": "f", "arg', 'uments": {"a": ', '"x}"', ', "b": 2', '}}\n</tool_call>']
+    deltas = [c["choices"][0]["delta"]["tool_calls"][0] for p in pieces for c in fmt.on_text("r", "m", 0, p)]
+    assert deltas[0]["function"] == {"name": "f", "arguments": ""} and deltas[0]["type"] == "function"
+    assert [d["function"]["arguments"] for d in deltas[1:]] == ['{"a": ', '"x}"', ', "b": 2', "}"]
+    assert all(set(d) == {"index", "function"} and d["index"] == 0 for d in deltas[1:])
+    (last,) = fmt.on_finish("r", "m", 0, "stop")
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    cut = ToolFormat(incremental=True)
+    cut.on_text("r", "m", 0, pieces[0] + pieces[1])
+    with pytest.raises(ToolCallIncomplete):  # max_tokens cut the call: no finish chunk, an error
+        cut.on_finish("r", "m", 0, "length")
