@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fovea.serve.tool_stream import CallStream, ToolCallIncomplete
 from fovea.serve.tools import parse_block, parse_tool_calls
@@ -116,3 +118,27 @@ def test_text_after_an_open_tag_without_json_is_no_call():
     for incremental in (True, False):
         calls, _, stream = run(list(text), incremental)
         assert calls == [] and stream.finish() == (text, [], 0)
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "\n", " ", '{"name": "f", ', '"name": "g"', '"arguments": ', "{", "}", '"a"',
+             ": ", "1", ", ", '"x\\"}"', "[", "]", "tru", "hi", "</tool", "<tool_", '"\\\\"',
+             '<tool_call>\n{"name": "f", "arguments": {"a": ', '}}\n</tool_call>', TWO]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=30), st.lists(st.integers(0, 400), max_size=8),
+       st.booleans())
+def test_never_a_wrong_call(fragments, cuts, incremental):
+    """Whatever the text and wherever it is split: the streamed calls are the final parse's, or
+    (only where pieces go out as written) the stream fails."""
+    text = "".join(fragments)
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+    calls, _, stream = run(pieces, incremental)
+    try:
+        _, finished, streamed = stream.finish()
+    except ToolCallIncomplete:
+        assert incremental
+        return
+    assert streamed == len(finished) and calls == [(c["function"]["name"], c["function"]["arguments"], True)
+                                                   for c in finished]
