@@ -98,6 +98,34 @@ def test_streamed_call_events(client, model):
     assert completed.response.output == [item_done.item]
 
 
+def test_streamed_arguments_rebuild_the_non_streamed_call(client, model):
+    """Greedy: the same answer streamed and not; the client's stream manager rebuilds the item."""
+    kw = {"tools": FLAT, "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": False,
+          "temperature": 0.0}
+    (whole,) = create(client, model, **kw).output
+    with client.responses.stream(model=model, input=QUESTION, max_output_tokens=120, **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1  # streamed as written, not whole at the end
+    (item,) = final.output
+    assert "".join(d.delta for d in deltas) == item.arguments == whole.arguments
+    assert item.name == whole.name == "get_weather" and check_call(item, "get_weather")
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.name == "get_weather" and added.item.arguments == "" and added.output_index == 0
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_call_cut_by_max_output_tokens_fails_the_stream(client, model):
+    kw = {"tools": FLAT, "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 50}
+    reply = create(client, model, **kw)
+    assert reply.status == "incomplete" and [i.type for i in reply.output] == ["message"]  # the cut call is text
+    events = list(create(client, model, **kw, stream=True))
+    assert [e.type for e in events][-2:] == ["error", "response.failed"]
+    assert events[-2].code == "tool_call_incomplete" and events[-1].response.status == "failed"
+    assert "response.function_call_arguments.done" not in [e.type for e in events]
+
+
 def test_logprobs_with_the_include(client, model):
     reply = create(client, model, include=[LOGPROBS], top_logprobs=2, temperature=0, max_output_tokens=12)
     (part,) = reply.output[0].content

@@ -9,6 +9,7 @@ import json
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from structured_helpers import user
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["paris", "rome"]},
@@ -62,17 +63,45 @@ def test_deprecated_functions_are_tools(client):
     assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["flip"]
 
 
-def test_streamed_calls(client):
-    stream = ask(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, stream=True)
-    calls, finish = {}, None
-    for chunk in stream:
-        for choice in chunk.choices:
-            assert not choice.delta.content  # the call is not leaked as text
-            for delta in choice.delta.tool_calls or []:
-                calls[delta.index] = delta
-            finish = choice.finish_reason or finish
-    assert finish == "tool_calls" and len(calls) == 1
-    check_call(calls[0])
+STRICT = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]  # the client parses them
+
+
+def test_streamed_arguments_rebuild_the_non_streamed_call(client):
+    """Greedy: the same answer streamed and not. The client's stream manager accumulates the
+    pieces; they join to exactly the non-streamed call's arguments."""
+    kw = {"tools": STRICT, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+          "parallel_tool_calls": False, "temperature": 0.0, "seed": 0}
+    whole = ask(client, **kw).choices[0]
+    with client.chat.completions.stream(model=client.models.list().data[0].id, max_tokens=120,
+                                        messages=user("What is the weather in Rome?", image=True), **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_completion().choices[0]
+    assert not [e for e in events if e.type == "content.delta" and e.delta]  # the call is not leaked as text
+    pieces = [e.arguments_delta for e in events if e.type == "tool_calls.function.arguments.delta"]
+    assert len(pieces) > 1  # streamed as written, not whole at the end
+    (call,) = final.message.tool_calls
+    assert "".join(pieces) == call.function.arguments == whole.message.tool_calls[0].function.arguments
+    assert call.function.name == whole.message.tool_calls[0].function.name == "get_weather"
+    assert call.function.parsed_arguments == check_call(call, "get_weather")
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    first = next(c for c in _raw_chunks(client, kw) if c.choices and c.choices[0].delta.tool_calls)
+    (delta,) = first.choices[0].delta.tool_calls  # OpenAI's shape: id, type and name first, arguments ""
+    assert delta.id.startswith("call_") and delta.type == "function" and delta.function.arguments == ""
+
+
+def _raw_chunks(client, kw) -> list:
+    return list(ask(client, **kw, stream=True))
+
+
+def test_a_call_cut_by_max_tokens_fails_the_stream(client):
+    """The name went out, then max_tokens cut the arguments: an error, never a half call."""
+    kw = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+          "max_tokens": 50}
+    assert not ask(client, **kw).choices[0].message.tool_calls  # not streamed: the cut call stays text
+    with pytest.raises(openai.APIError) as caught:
+        for _ in ask(client, **kw, stream=True):
+            pass
+    assert caught.value.body["code"] == "tool_call_incomplete"
 
 
 def test_tools_and_tool_turns_are_rendered(client):
@@ -116,14 +145,11 @@ def test_auto_without_parallel_calls_makes_at_most_one(client):
 def test_streamed_calls_of_n_choices(client):
     stream = ask(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, stream=True, n=2,
                  temperature=1.0, seed=3)
-    calls, finish = {}, {}
+    state = ChatCompletionStreamState()
     for chunk in stream:
-        for choice in chunk.choices:
-            for delta in choice.delta.tool_calls or []:
-                calls.setdefault(choice.index, []).append(delta)
-            if choice.finish_reason:
-                finish[choice.index] = choice.finish_reason
-    assert finish == {0: "tool_calls", 1: "tool_calls"} and sorted(calls) == [0, 1]
-    for deltas in calls.values():
-        assert len(deltas) == 1
-        check_call(deltas[0])
+        state.handle_chunk(chunk)
+    choices = state.get_final_completion().choices
+    assert [c.finish_reason for c in choices] == ["tool_calls", "tool_calls"]
+    for choice in choices:
+        assert len(choice.message.tool_calls) == 1 and not choice.message.content
+        check_call(choice.message.tool_calls[0])

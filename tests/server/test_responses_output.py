@@ -26,9 +26,9 @@ class Pieces:
         return self.pieces[token_id]
 
 
-def run(pieces: list[str], tools: bool, logprobs: bool = True, reason: str = "stop"):
+def run(pieces: list[str], tools: bool, logprobs: bool = True, reason: str = "stop", incremental: bool = False):
     formatter = LogprobFormatter(Pieces(pieces), "chat") if logprobs else None
-    out = ResponseOutput("msg_1", tools, formatter)
+    out = ResponseOutput("msg_1", tools, formatter, incremental)
     events = out.start()
     for i, piece in enumerate(pieces):
         events += out.on_token(TokenEvent(piece, i, TokenLogprob(i, -0.5 - i, [(i, -0.5 - i)])))
@@ -78,3 +78,29 @@ def test_without_tools_the_message_opens_first_and_an_empty_answer_is_one_empty_
         "type": "output_text", "text": "", "annotations": [], "logprobs": []}
     events, items = run([CALL], tools=False)  # no tools: a call-shaped text is text
     assert items[0]["content"][0]["text"] == CALL
+
+
+def test_incremental_arguments_and_text_after_the_calls():
+    pieces = ["Hi", "<tool_call>\n", '{"name": "flip", "arguments": ', '{"heads"', ": true}", "}\n</tool_call>", " bye"]
+    events, items = run(pieces, tools=True, incremental=True)
+    kinds = [kind for kind, _ in events]
+    start = kinds.index("response.output_item.done")  # the text before the call closes when it begins
+    assert kinds[start + 1:start + 5] == ["response.output_item.added", *["response.function_call_arguments.delta"] * 2,
+                                          "response.function_call_arguments.done"]
+    deltas = [f["delta"] for kind, f in events if kind == "response.function_call_arguments.delta"]
+    assert deltas == ['{"heads"', ": true}"]  # as written, without the call's closing "}"
+    message, call, after = items
+    assert message["content"][0]["text"] == "Hi" and after["content"][0]["text"] == "bye"
+    assert message["id"] == "msg_1" and after["id"] != "msg_1" and after["content"][0]["logprobs"] == []
+    assert call["arguments"] == '{"heads": true}' and call["status"] == "completed"
+    assert [f["output_index"] for kind, f in events if kind == "response.output_item.added"] == [0, 1, 2]
+    assert [f["item"]["id"] for kind, f in events if kind == "response.output_item.done"] == [i["id"] for i in items]
+
+
+def test_a_call_without_a_grammar_goes_out_when_its_block_closes():
+    events, items = run([CALL[:30], CALL[30:], " and more"], tools=True)
+    kinds = [kind for kind, _ in events]
+    # All four of the call's events come with the token that closed it, before the text after it.
+    assert kinds[:4] == ["response.output_item.added", "response.function_call_arguments.delta",
+                         "response.function_call_arguments.done", "response.output_item.done"]
+    assert [i["type"] for i in items] == ["function_call", "message"]

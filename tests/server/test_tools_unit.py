@@ -8,7 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from fovea.engine.request import FinishEvent
-from fovea.serve.tools import ToolFormat, ToolsNotSupported, check_template, parse_tool_calls
+from fovea.serve.tool_chunks import ToolFormat
+from fovea.serve.tool_stream import ToolCallIncomplete
+from fovea.serve.tools import ToolsNotSupported, check_template, parse_tool_calls
 from fovea.testing import random_qwen2_5_vl
 from fovea.testing.byte_level_model import TOOLS_TEMPLATE
 
@@ -25,13 +27,15 @@ def test_parse_calls_and_text():
 
 
 def test_stream_holds_back_a_possible_call():
-    fmt = ToolFormat()
+    fmt = ToolFormat()  # no grammar: the call goes out whole once its block has closed and parsed
     pieces = ["Hi <", "tool", "_call>\n{\"name\": \"f\", ", "\"arguments\": {}}\n</tool_call>"]
-    sent = [c["choices"][0]["delta"].get("content") for p in pieces for c in fmt.on_text("r", "m", 0, p)]
-    assert sent == ["Hi "]  # "<" waited: it could begin a call, and did
-    *calls, last = fmt.on_finish("r", "m", 0, "stop")
+    chunks = [c["choices"][0]["delta"] for p in pieces for c in fmt.on_text("r", "m", 0, p)]
+    assert [d["content"] for d in chunks if "content" in d] == ["Hi "]  # "<" waited: it could begin a call, and did
+    calls = [d["tool_calls"][0] for d in chunks if "tool_calls" in d]
+    assert calls[0]["function"] == {"name": "f", "arguments": ""} and calls[0]["id"].startswith("call_")
+    assert [c["function"]["arguments"] for c in calls[1:]] == ["{}"] and {c["index"] for c in calls} == {0}
+    (last,) = fmt.on_finish("r", "m", 0, "stop")
     assert last["choices"][0]["finish_reason"] == "tool_calls"
-    assert calls[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "f"
     plain = ToolFormat()
     assert [c["choices"][0]["delta"]["content"] for c in plain.on_text("r", "m", 0, "a <to")] == ["a "]
     *rest, end = plain.on_finish("r", "m", 0, "length")
@@ -55,3 +59,18 @@ def test_template_check(template, ok):
     else:
         with pytest.raises(ToolsNotSupported):
             check_template(loaded, "tools", "tools")
+
+
+def test_stream_sends_arguments_as_written_where_a_grammar_enforces_the_call():
+    fmt = ToolFormat(incremental=True)
+    pieces = ['<tool_call>\n{"name": "f", "arg', 'uments": {"a": ', '"x}"', ', "b": 2', '}}\n</tool_call>']
+    deltas = [c["choices"][0]["delta"]["tool_calls"][0] for p in pieces for c in fmt.on_text("r", "m", 0, p)]
+    assert deltas[0]["function"] == {"name": "f", "arguments": ""} and deltas[0]["type"] == "function"
+    assert [d["function"]["arguments"] for d in deltas[1:]] == ['{"a": ', '"x}"', ', "b": 2', "}"]
+    assert all(set(d) == {"index", "function"} and d["index"] == 0 for d in deltas[1:])
+    (last,) = fmt.on_finish("r", "m", 0, "stop")
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    cut = ToolFormat(incremental=True)
+    cut.on_text("r", "m", 0, pieces[0] + pieces[1])
+    with pytest.raises(ToolCallIncomplete):  # max_tokens cut the call: no finish chunk, an error
+        cut.on_finish("r", "m", 0, "length")

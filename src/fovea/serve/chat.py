@@ -14,8 +14,8 @@ from fovea.serve.generation import respond
 from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, VideoURLPart
 from fovea.serve.state import ServerState
 from fovea.serve.structured import refuse_with_tools, requested_grammar
+from fovea.serve.tool_chunks import ToolFormat
 from fovea.serve.tools import (
-    ToolFormat,
     ToolRequest,
     call_grammar,
     check_template,
@@ -184,6 +184,7 @@ def make_chat_router(state: ServerState) -> APIRouter:
         if tools is None:
             return await respond(state, req, prompt, twin)
         refuse_with_tools(requested_grammar(req))
-        return await respond(state, req, prompt, twin, fmt=ToolFormat(), grammar=call_grammar(tools))
+        grammar = call_grammar(tools)  # where it enforces the calls, their arguments stream as written
+        return await respond(state, req, prompt, twin, fmt=ToolFormat(grammar is not None), grammar=grammar)
 
     return router

@@ -237,7 +237,12 @@ async def _stream(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
         elif isinstance(event, FinishEvent):
             state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
             log_finish(state, prompt, event, rid)
-            *before, last = fmt.on_finish(rid, model, created, event.finish_reason, event.index)
+            try:
+                *before, last = fmt.on_finish(rid, model, created, event.finish_reason, event.index)
+            except FoveaError as error:  # streamed tool-call pieces that are no call: never a wrong one
+                state.metrics.observe_error_code(error.code)
+                yield _sse(error.to_body())
+                continue
             for chunk in before:
                 yield _sse(chunk)
             extra = extension(state, req, prompt, event)

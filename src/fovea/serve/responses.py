@@ -188,7 +188,9 @@ def make_responses_router(state: ServerState, store: ResponseStore | None = None
             state.engine.check_fits(prompt, params)  # 400 before any streaming starts
         except FoveaError as exc:
             raise remap_max_tokens(exc) from None
-        run = Run(state, store, req, turns, params, tools is not None)
+        # Where the grammar enforces the calls, a stream sends their arguments as they are written.
+        run = Run(state, store, req, turns, params, tools is not None, bool(req.stream) and tools is not None
+                  and spec is not None)
         if req.stream:
             return StreamingResponse(run.stream(prompt), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -214,13 +216,13 @@ class Run:
     what it stores at the end."""
 
     def __init__(self, state: ServerState, store: ResponseStore, req: ResponsesRequest, turns: list[Turn],
-                 params: SamplingParams, tools: bool) -> None:
+                 params: SamplingParams, tools: bool, incremental: bool = False) -> None:
         self.state, self.store, self.req, self.turns = state, store, req, turns
         self.rid, self.created = new_id("resp"), time.time()
         self.temperature, self.top_p = params.temperature, params.top_p
         self.params = params
         formatter = LogprobFormatter(state.loaded.tokenizer, "chat") if params.logprobs is not None else None
-        self.output = ResponseOutput(new_id("msg"), tools, formatter)
+        self.output = ResponseOutput(new_id("msg"), tools, formatter, incremental)
 
     def body(self, **kw: Any) -> dict[str, Any]:
         return response_object(self.rid, self.req, self.state.model_name, self.created, self.temperature,

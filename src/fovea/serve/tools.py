@@ -9,6 +9,7 @@ named function is enforced by a grammar (an xgrammar structural tag over the cal
 schemas); ``"none"`` disables tools (they are not rendered). The deprecated ``functions`` /
 ``function_call`` are read as ``tools`` / ``tool_choice``. The Responses API runs the same
 checks, grammar, parsing and streamed-text holdback in its own shapes (serve/responses_tools.py).
+Streamed calls: serve/tool_stream.py (when their pieces go out), serve/tool_chunks.py (chat's chunks).
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fovea.engine.request import FinishEvent
 from fovea.engine.structured.spec import GrammarSpec
 from fovea.errors import FoveaError, InvalidRequest
-from fovea.serve import protocol
-from fovea.serve.generation import Format
+from fovea.serve.tool_json import CallScanner
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -177,26 +176,60 @@ def template_messages_tools(tools: ToolRequest | None) -> list[dict[str, Any]] |
     return None if tools is None else tools.tools
 
 
+def parse_block(body: str) -> tuple[str, str] | None:
+    """One ``<tool_call>`` block's (name, arguments), or None when it is not a JSON call with a
+    name. The arguments are the model's own text of the value (its whitespace kept, so that
+    streamed pieces join to exactly this), a string value's contents, or ``{}`` when absent; a
+    repeated key (JSON keeps the last) gives ``json.dumps`` of the parsed value."""
+    try:
+        parsed = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+        return None
+    arguments = parsed.get("arguments", {})
+    if isinstance(arguments, str):
+        return parsed["name"], arguments
+    scanner = CallScanner()
+    scanner.feed(body)
+    if scanner.state == "done" and scanner.arguments is not None:
+        return parsed["name"], scanner.arguments
+    return parsed["name"], json.dumps(arguments)
+
+
+def call_spans(text: str) -> list[tuple[int, int, dict[str, Any]]]:
+    """Each valid call's (start, end) in ``text`` and the call in chat's shape."""
+    spans = []
+    for match in _CALL.finditer(text):
+        block = parse_block(match.group(1))
+        if block is not None:
+            spans.append((match.start(), match.end(), {"id": new_call_id(), "type": "function",
+                                                       "function": {"name": block[0], "arguments": block[1]}}))
+    return spans
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def outside_calls(text: str, spans: list[tuple[int, int, dict[str, Any]]], start: int = 0) -> str:
+    """The text from ``start`` on without the calls' blocks."""
+    kept, last = [], start
+    for begin, end, _ in spans:
+        if end <= start:
+            continue
+        kept.append(text[last:max(begin, last)])
+        last = end
+    kept.append(text[last:])
+    return "".join(kept)
+
+
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """(the text outside the calls, or None; the calls in OpenAI's shape). A block that is not
     a JSON call with a name stays in the text."""
-    calls, kept, last = [], [], 0
-    for match in _CALL.finditer(text):
-        try:
-            body = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
-            continue
-        kept.append(text[last:match.start()])
-        last = match.end()
-        arguments = body.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": body["name"], "arguments": json.dumps(arguments)
-                                   if not isinstance(arguments, str) else arguments}})
-    kept.append(text[last:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), calls
+    spans = call_spans(text)
+    content = outside_calls(text, spans).strip() if spans else text
+    return (content or None), [call for _, _, call in spans]
 
 
 class CallHoldback:
@@ -219,45 +252,12 @@ class CallHoldback:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """(the rest to release: all the held-back text when there are no calls, else the text
-        between and after them; the calls in chat's shape)."""
-        _, calls = parse_tool_calls(self.full)
+        between and after them, as the non-streamed content has it; the calls in chat's shape)."""
+        spans = call_spans(self.full)
         rest = self.full[self.sent:]
-        return (_CALL.sub("", rest).strip(), calls) if calls else (rest, [])
-
-
-class ToolFormat(Format):
-    """Chat answers whose tool calls become ``tool_calls``; streamed text is held back from the
-    first ``<tool_call>`` on (and while a suffix could begin one), and the calls are sent whole
-    at the end, as chunks with ``delta.tool_calls``. One instance per request (it holds each
-    choice's streamed text)."""
-
-    def __init__(self) -> None:
-        super().__init__("chat")
-        self.held: dict[int, CallHoldback] = {}
-
-    def choice(self, index: int, finish: FinishEvent, logprobs: dict | None) -> dict:
-        body = super().choice(index, finish, logprobs)
-        content, calls = parse_tool_calls(finish.text)
-        if calls:
-            body["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-            if finish.finish_reason == "stop":
-                body["finish_reason"] = "tool_calls"
-        return body
-
-    def on_text(self, rid, model, created, text: str, index: int = 0, logprobs: dict | None = None) -> list[dict]:
-        released = self.held.setdefault(index, CallHoldback()).feed(text)
-        if not released:
-            # Held back; the token's log-probabilities still go out, with no text.
-            return [] if logprobs is None else [self.delta(rid, model, created, "", index=index, logprobs=logprobs)]
-        return [self.delta(rid, model, created, released, index=index, logprobs=logprobs)]
-
-    def on_finish(self, rid, model, created, finish_reason: str, index: int = 0) -> list[dict]:
-        rest, calls = self.held.setdefault(index, CallHoldback()).finish()
-        out = [self.delta(rid, model, created, rest, index=index)] if rest else []
-        for i, call in enumerate(calls):
-            out.append(protocol.chat_chunk(rid, model, created, {"tool_calls": [{"index": i, **call}]}, index=index))
-        reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
-        return [*out, self.delta(rid, model, created, "", reason, index=index)]
+        if not spans:
+            return rest, []
+        return outside_calls(self.full, spans, self.sent).strip(), [call for _, _, call in spans]
 
 
 def _open_prefix(text: str) -> int:
