@@ -293,8 +293,8 @@ def _row_views(landed: torch.Tensor, offsets: list[int], headers: list[Embedding
     one dtype and width and lies on a whole row (the segment's 256-byte alignment divides every
     served model's row, e.g. 4,096 x 2 bytes), the block is viewed as one table in two torch
     calls and each image is a slice of it: slicing keeps the GIL, while each ``view`` releases
-    and retakes it, which beside the busy engine thread can cost a whole switch interval per
-    call (bench/handoff_gil_probe.py). Otherwise, two views per image."""
+    it, and retaking it can wait for another thread's whole C call (the event loop's response
+    encoding, a tokenizer): bench/gil_releasing_calls.py. Otherwise, two views per image."""
     dtype, hidden = DTYPES[headers[0].dtype], headers[0].shape[1]
     row = hidden * dtype.itemsize
     if (row and landed.numel() % row == 0 and all(at % row == 0 for at in offsets)
