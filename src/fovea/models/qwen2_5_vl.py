@@ -135,6 +135,18 @@ class FrameRecipe:
     def resized(self, frames: int, height: int, width: int) -> tuple[int, int]:
         raise NotImplementedError
 
+    @staticmethod
+    def patching(raw: dict[str, Any], image_processor: Any, config: Any) -> dict[str, Any]:
+        """The fields both families read alike: patching and normalisation from the video
+        config (``raw``), else the image processor's; the video token from the model config."""
+        return {"patch_size": int(raw.get("patch_size") or image_processor.patch_size),
+                "temporal_patch_size": int(raw.get("temporal_patch_size") or image_processor.temporal_patch_size),
+                "merge_size": int(raw.get("merge_size") or image_processor.merge_size),
+                "mean": tuple(float(v) for v in raw.get("image_mean") or image_processor.image_mean),
+                "std": tuple(float(v) for v in raw.get("image_std") or image_processor.image_std),
+                "rescale_factor": float(raw.get("rescale_factor") or image_processor.rescale_factor),
+                "token_id": int(config.video_token_id)}
+
     def pixels(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """[t*h*w, C*T*P*P] float32 patches and the grid (t, h, w), in the video processor's layout."""
         width, height = frames[0].size
@@ -178,14 +190,8 @@ class VideoRecipe(FrameRecipe):
 
         return cls(min_pixels=int(get("min_pixels", "shortest_edge")), max_pixels=int(get("max_pixels", "longest_edge")),
                    fps=float(get("fps")), min_frames=int(get("min_frames")), max_frames=int(get("max_frames")),
-                   patch_size=int(raw.get("patch_size") or image_processor.patch_size),
-                   temporal_patch_size=int(raw.get("temporal_patch_size") or image_processor.temporal_patch_size),
-                   merge_size=int(raw.get("merge_size") or image_processor.merge_size),
-                   mean=tuple(float(v) for v in raw.get("image_mean") or image_processor.image_mean),
-                   std=tuple(float(v) for v in raw.get("image_std") or image_processor.image_std),
-                   rescale_factor=float(raw.get("rescale_factor") or image_processor.rescale_factor),
-                   token_id=int(config.video_token_id),
-                   tokens_per_second=float(config.vision_config.tokens_per_second))
+                   tokens_per_second=float(config.vision_config.tokens_per_second),
+                   **cls.patching(raw, image_processor, config))
 
     def resized(self, frames: int, height: int, width: int) -> tuple[int, int]:
         return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)

@@ -121,13 +121,7 @@ class Qwen3VideoRecipe(FrameRecipe):
 
         return cls(min_pixels=int(get("shortest_edge")), max_pixels=int(get("longest_edge")), fps=float(get("fps")),
                    min_frames=int(get("min_frames")), max_frames=int(get("max_frames")),
-                   patch_size=int(raw.get("patch_size") or image_processor.patch_size),
-                   temporal_patch_size=int(raw.get("temporal_patch_size") or image_processor.temporal_patch_size),
-                   merge_size=int(raw.get("merge_size") or image_processor.merge_size),
-                   mean=tuple(float(v) for v in raw.get("image_mean") or image_processor.image_mean),
-                   std=tuple(float(v) for v in raw.get("image_std") or image_processor.image_std),
-                   rescale_factor=float(raw.get("rescale_factor") or image_processor.rescale_factor),
-                   token_id=int(config.video_token_id))
+                   **cls.patching(raw, image_processor, config))
 
     def resized(self, frames: int, height: int, width: int) -> tuple[int, int]:
         tp, factor = self.temporal_patch_size, self.patch_size * self.merge_size

@@ -171,13 +171,19 @@ def check_body(body: Any, endpoint: str) -> None:
         return  # the schema itself refuses a body that is not an object
     known = {f.name: f for f in fields_for(endpoint)}
     path = "/v1/chat/completions" if endpoint == CHAT else "/v1/completions"
+    other = "/v1/completions" if endpoint == CHAT else "/v1/chat/completions"
+    refuse_unknown_or_ignored(body, known, path, lambda name: f" (it belongs to {other})" if name in BY_NAME else "")
+
+
+def refuse_unknown_or_ignored(body: dict[str, Any], known: dict[str, Field], path: str,
+                              hint: Callable[[str], str] = lambda name: "") -> None:
+    """Every endpoint's walk over a request body: a field ``path`` does not take, or a value its
+    field would ignore, is ``UnsupportedParameter`` naming it (``hint`` adds where an unknown
+    name belongs); ``stream_options`` needs ``stream: true``."""
     for name, value in body.items():
         field = known.get(name)
         if field is None:
-            other = BY_NAME.get(name)
-            where = (f" (it belongs to {'/v1/completions' if endpoint == CHAT else '/v1/chat/completions'})"
-                     if other is not None else "")
-            raise UnsupportedParameter(f"{name!r} is not a field fovea takes on {path}{where}; remove it "
+            raise UnsupportedParameter(f"{name!r} is not a field fovea takes on {path}{hint(name)}; remove it "
                                        "(docs/api.md lists every field).", param=name)
         if field.refuses(value):
             raise UnsupportedParameter(f"{name}={value!r} is not supported: {field.note}.", param=name)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fovea.errors import InvalidRequest
-from fovea.serve.fields import HONOURED, NOOP, REFUSED, Field, UnsupportedParameter
+from fovea.serve.fields import HONOURED, NOOP, REFUSED, Field, refuse_unknown_or_ignored
 
 RESPONSES = "responses"
 ONLY = frozenset({RESPONSES})
@@ -129,15 +128,7 @@ def check_body(body: Any) -> None:
     """Refuse what fovea would otherwise ignore: ``UnsupportedParameter`` (400) naming the field."""
     if not isinstance(body, dict):
         return  # the schema itself refuses a body that is not an object
-    for name, value in body.items():
-        field = BY_NAME.get(name)
-        if field is None:
-            raise UnsupportedParameter(f"{name!r} is not a field fovea takes on /v1/responses; remove it "
-                                       "(docs/api.md lists every field).", param=name)
-        if field.refuses(value):
-            raise UnsupportedParameter(f"{name}={value!r} is not supported: {field.note}.", param=name)
-    if body.get("stream_options") is not None and body.get("stream") is not True:
-        raise InvalidRequest("stream_options may only be sent with stream: true.", param="stream_options")
+    refuse_unknown_or_ignored(body, BY_NAME, "/v1/responses")
 
 
 def markdown_table() -> str:
