@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import http.server
 import io
 import os
@@ -12,6 +13,7 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -116,3 +118,23 @@ class QuietHandler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+def one_image_row_short(live) -> Callable[[], None]:
+    """Until the returned function is called, the server's prompts give their first image one
+    token fewer than its placeholder run (a hand-off that lost a row): the engine's own guard
+    must catch it."""
+    pre = live.app.state.fovea.preprocessor
+    prompts = pre.prompts
+
+    async def shorter(*args, **kwargs):
+        prompt, twin = await prompts(*args, **kwargs)
+        first = dataclasses.replace(prompt.images[0], num_tokens=prompt.images[0].num_tokens - 1)
+        return dataclasses.replace(prompt, images=[first, *prompt.images[1:]]), twin
+
+    pre.prompts = shorter
+
+    def restore() -> None:
+        pre.prompts = prompts
+
+    return restore

@@ -3,12 +3,11 @@ bounds, and a failure after the stream began."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import httpx
 import pytest
-from scene_helpers import data_url, fresh_scene
+from scene_helpers import data_url, fresh_scene, one_image_row_short
 
 from fovea.demo import scenes
 from fovea.serve.responses_store import ResponseNotFound, ResponseStore, TooLargeToStore
@@ -99,20 +98,12 @@ def test_the_store_evicts_the_least_recently_used_and_refuses_what_never_fits():
 
 def test_a_failure_after_the_stream_began_ends_it_with_error_and_failed(make_server):
     live = make_server()
-    pre = live.app.state.fovea.preprocessor
-    prompts = pre.prompts
-
-    async def one_row_short(*args, **kwargs):
-        prompt, twin = await prompts(*args, **kwargs)
-        shorter = dataclasses.replace(prompt.images[0], num_tokens=prompt.images[0].num_tokens - 1)
-        return dataclasses.replace(prompt, images=[shorter, *prompt.images[1:]]), twin
-
-    pre.prompts = one_row_short  # the engine's placeholder guard fails the request once it runs
+    restore = one_image_row_short(live)  # the engine's placeholder guard fails the request once it runs
     try:
         reply = httpx.post(live.base_url + "/v1/responses", json={"input": image_input({"image_url": URL}),
                                                                   "stream": True, "store": True}, timeout=60)
     finally:
-        pre.prompts = prompts
+        restore()
     assert reply.status_code == 200
     events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
     kinds = [e["type"] for e in events]
