@@ -74,3 +74,29 @@ def test_stream_sends_arguments_as_written_where_a_grammar_enforces_the_call():
     cut.on_text("r", "m", 0, pieces[0] + pieces[1])
     with pytest.raises(ToolCallIncomplete):  # max_tokens cut the call: no finish chunk, an error
         cut.on_finish("r", "m", 0, "length")
+
+
+def test_strict_tools_hold_every_auto_call_to_its_schema():
+    """With ``auto`` and parallel calls nothing is constrained, unless a tool asks for ``strict``:
+    then text runs free, any number of calls may come, and each one that begins is valid."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from fovea.errors import InvalidRequest
+    from fovea.serve.tools import ToolRequest, call_grammar, function_spec
+
+    days = {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"],
+            "additionalProperties": False}
+
+    def tools(**extra):
+        return [{"type": "function", "function": function_spec({"name": "f", "parameters": days, **extra}, "t")}]
+
+    assert call_grammar(ToolRequest(tools(), "auto", None, True)) is None
+    assert call_grammar(ToolRequest(tools(strict=False), "auto", None, True)) is None
+    grammar = xgr.Grammar.from_structural_tag(call_grammar(ToolRequest(tools(strict=True), "auto", None, True)).source)
+    call = '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>'
+    assert accepts(grammar, "no call at all")
+    assert accepts(grammar, "two: " + call % '{"days": 2}' + " and " + call % '{"days": 3}')
+    assert not accepts(grammar, "one: " + call % '{"weeks": 2}')
+    with pytest.raises(InvalidRequest, match="strict must be true or false"):
+        tools(strict="yes")

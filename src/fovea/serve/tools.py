@@ -65,8 +65,8 @@ def check_template(loaded: Any, what: str, param: str) -> None:
 
 
 def function_spec(fn: dict[str, Any], where: str) -> dict[str, Any]:
-    """One function's ``name``, ``description``, ``parameters`` (and ``strict``, always enforced
-    by the grammar), checked; ``where`` is its request path. Chat nests it under ``function``,
+    """One function's ``name``, ``description``, ``parameters`` and ``strict`` (kept when true;
+    ``required`` and named calls are always held to their schema), checked; ``where`` is its request path. Chat nests it under ``function``,
     the Responses API sends it flat."""
     unknown = set(fn) - {"name", "description", "parameters", "strict"}
     if unknown:
@@ -79,9 +79,13 @@ def function_spec(fn: dict[str, Any], where: str) -> dict[str, Any]:
     params = {"type": "object", "properties": {}} if params is None else params
     if not isinstance(params, dict):
         raise InvalidRequest(f"{where}.parameters must be a JSON schema object.", param=f"{where}.parameters")
+    if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+        raise InvalidRequest(f"{where}.strict must be true or false.", param=f"{where}.strict")
     out = {"name": name, "parameters": params}
     if isinstance(fn.get("description"), str):
         out["description"] = fn["description"]
+    if fn.get("strict"):
+        out["strict"] = True  # (call_grammar: it holds unconstrained `auto` calls to their schema too)
     return out
 
 
@@ -146,13 +150,14 @@ def _call_tag(tool: dict[str, Any]) -> dict[str, Any]:
 def call_grammar(tools: ToolRequest) -> GrammarSpec | None:
     """For ``required`` and a named function: the answer is one call (or, with parallel calls,
     one or more separated by newlines) and nothing else. For ``auto`` without parallel calls:
-    at most one call."""
+    at most one call. For ``auto`` with parallel calls: nothing, unless a tool asks for
+    ``strict``: then free text in which every call that begins is valid."""
     if tools.choice == "auto":
-        if tools.parallel:
+        if tools.parallel and not any(t["function"].get("strict") for t in tools.tools):
             return None  # the model chooses freely
-        # At most one call: free text, and once a call begins it is valid and ends the answer.
+        # Free text, and once a call begins it is valid (without parallel calls it ends the answer).
         fmt = {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": [_call_tag(t) for t in tools.tools],
-               "stop_after_first": True}
+               "stop_after_first": not tools.parallel}
         return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}), "tool_choice")
     chosen = [t for t in tools.tools if tools.choice == "required" or t["function"]["name"] == tools.name]
     tags = [_call_tag(t) for t in chosen]
