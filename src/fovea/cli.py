@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=positive_int, default=None)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
+    _memory_args(chat)
     chat.add_argument("question")
 
     doctor = sub.add_parser("doctor", help="check the machine (and model) for what silently breaks VLM serving")
@@ -294,7 +295,7 @@ def doctor(args: argparse.Namespace) -> int:
 
 def chat(args: argparse.Namespace) -> int:
     from fovea.engine.paged import PagedEngine, PagedEngineConfig
-    from fovea.engine.request import ErrorEvent, FinishEvent
+    from fovea.engine.request import ErrorEvent, FinishEvent, default_max_tokens
     from fovea.engine.sampling import SamplingParams
     from fovea.media import decode_image_bytes
     from fovea.media.config import MediaConfig
@@ -312,11 +313,14 @@ def chat(args: argparse.Namespace) -> int:
         images.append(decode_image_bytes(data, media))
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.question}]
     prompt = encode_prompt(loaded, render_chat(loaded, [{"role": "user", "content": content}]), images)
-    room = loaded.context_length - len(prompt.input_ids)
-    params = SamplingParams(max_tokens=args.max_tokens or max(1, room), temperature=args.temperature, seed=args.seed)
 
     async def run() -> str:
-        engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=1))
+        engine = PagedEngine(loaded, PagedEngineConfig(
+            max_num_seqs=1, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len))
+        # No --max-tokens: what the engine's per-sequence limit leaves after the prompt (as the server does).
+        max_tokens = args.max_tokens or default_max_tokens(len(prompt.input_ids), engine.max_context)
+        params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed)
         engine.start()
         try:
             async for event in engine.generate(prompt, params):

@@ -75,10 +75,30 @@ class EngineRequest:
     group: object | None = None
 
 
+def check_prompt_fits(prompt_tokens: int, limit: int) -> None:
+    """400 for a prompt that leaves no room for one answer token within ``limit`` tokens per
+    sequence; the message names the prompt, the one thing the client can shorten."""
+    if prompt_tokens >= limit:
+        raise InvalidRequest(
+            f"the prompt has {prompt_tokens} tokens; this server's limit is {limit} tokens per sequence "
+            "(prompt and answer together: --max-model-len, the KV-cache size or the model's context), which "
+            "leaves no room for an answer. Shorten the prompt or send fewer or smaller images.",
+            code="context_length_exceeded")
+
+
+def default_max_tokens(prompt_tokens: int, limit: int) -> int:
+    """The answer length of a request that sets none: what the per-sequence ``limit`` leaves
+    after the prompt (vLLM's rule), so an omitted max_tokens is never the reason for a refusal."""
+    check_prompt_fits(prompt_tokens, limit)
+    return limit - prompt_tokens
+
+
 def check_fits_context(prompt: EncodedPrompt, params: SamplingParams, model_context: int,
                        server_limit: int | None = None) -> None:
-    """400 up front for a request that can never finish: prompt + max_tokens beyond the
-    model's context, or beyond what this server holds per sequence (``server_limit``)."""
+    """400 up front for a request that can never finish: a prompt with no room for an answer,
+    or prompt + max_tokens beyond the model's context or beyond what this server holds per
+    sequence (``server_limit``)."""
+    check_prompt_fits(len(prompt.input_ids), min(model_context, server_limit or model_context))
     need = len(prompt.input_ids) + params.max_tokens
     head = f"the prompt has {len(prompt.input_ids)} tokens and max_tokens is {params.max_tokens}: {need} tokens exceed"
     if need > model_context:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fovea.engine.image_encoder import ImageEncoder
-from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent, TokenLogprob
+from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent, TokenLogprob, default_max_tokens
 from fovea.engine.sampling import SamplingParams
 from fovea.engine.structured.spec import GrammarSpec
 from fovea.errors import FoveaError, InvalidRequest
@@ -42,8 +42,10 @@ def failure(error: BaseException) -> FoveaError:
 
 
 def sampling_params(state: ServerState, req: SamplingFields, prompt: EncodedPrompt) -> SamplingParams:
-    room = state.loaded.context_length - len(prompt.input_ids)
-    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, room)
+    # Unset: what the server's per-sequence limit leaves after the prompt (refused only when the
+    # prompt itself leaves nothing), never the model's context, which --max-model-len may undercut.
+    max_tokens = req.max_completion_tokens or req.max_tokens or \
+        default_max_tokens(len(prompt.input_ids), state.engine.max_context)
     if req.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens}).",
                              param="min_tokens")

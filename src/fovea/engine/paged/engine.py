@@ -132,6 +132,8 @@ class PagedEngine:
 
     @property
     def max_context(self) -> int:
+        """The per-sequence token limit (prompt and answer together): --max-model-len (at most
+        the model's context) or what the KV cache holds for one sequence, whichever is smaller."""
         return min(self.config.max_model_len, self.block_manager.num_blocks * self.config.block_size)
 
     # ---- requests -------------------------------------------------------------------
