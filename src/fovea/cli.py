@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--exact-image-resize", action="store_true",
                        help="give the processor every pixel of large images (default: images four times the "
                             "model's input are reduced to about twice it first, JPEGs while decoding)")
-    serve.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests beyond this get 429")
+    serve.add_argument("--max-queue", type=positive_int, default=None,
+                       help="waiting requests beyond this get 429 with Retry-After before any response starts "
+                            "(default: no limit, as in vLLM)")
     serve.add_argument("--limit-images-per-prompt", type=_non_negative_int, default=4)
     serve.add_argument("--max-body-bytes", type=byte_size, default=32 * 1024 * 1024)
     serve.add_argument("--api-key", default=os.environ.get("FOVEA_API_KEY"),

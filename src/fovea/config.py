@@ -55,7 +55,9 @@ class ServerSettings:
     # Processes that decode images and run the model's processor (None or 0: this process's
     # threads, measured faster on the H200 machine; serve/preprocess.py, docs/benchmarks.md).
     preprocess_workers: int | None = None
-    max_queue: int = 256
+    # Requests waiting for the engine beyond this get 429 before any response starts; None:
+    # unbounded, as in vLLM and SGLang (docs/operations.md says what a waiting request holds).
+    max_queue: int | None = None
     limit_images_per_prompt: int = 4
     max_body_bytes: int = 32 * 1024 * 1024
     api_key: str | None = None
@@ -111,7 +113,7 @@ class ServerSettings:
             raise ValueError("--vision-batch-size must be at least 1")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError("--max-batch-size must be at least 1")
-        if self.max_queue < 1:
+        if self.max_queue is not None and self.max_queue < 1:
             raise ValueError("--max-queue must be at least 1")
         if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
             raise ValueError("--max-batched-tokens must be at least 1")

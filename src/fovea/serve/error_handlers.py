@@ -59,7 +59,7 @@ def install_error_handlers(app: FastAPI, on_error_code: Callable[[str], None] | 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
-        # A key the schema forbids (stream_options.continuous_usage_stats, fovea.unknown) is a
+        # A key the schema forbids (stream_options.unknown, fovea.unknown) is a
         # parameter fovea does not support, never one it ignores.
         forbidden = any(e.get("type") == "extra_forbidden" for e in exc.errors())
         if forbidden:
