@@ -24,7 +24,7 @@ def small_queue(make_server):
 
 
 async def one_stream(client: httpx.AsyncClient, path: str, i: int) -> tuple[int, dict, list[str], bytes]:
-    body = {"max_tokens": 24, "ignore_eos": True, "stream": True, "seed": i}
+    body = {"max_tokens": 64, "ignore_eos": True, "stream": True, "seed": i}  # held long enough to overlap
     body |= {"messages": MESSAGES} if path.endswith("chat/completions") else {"prompt": "a red circle"}
     async with client.stream("POST", path, json=body) as reply:
         raw = await reply.aread()
@@ -36,7 +36,7 @@ async def one_stream(client: httpx.AsyncClient, path: str, i: int) -> tuple[int,
 def test_more_streams_than_the_queue_each_end_or_are_refused_before_they_start(small_queue, path):
     async def burst():
         async with httpx.AsyncClient(base_url=small_queue.base_url, timeout=300) as client:
-            return await asyncio.gather(*(one_stream(client, path, i) for i in range(16)))
+            return await asyncio.gather(*(one_stream(client, path, i) for i in range(24)))
 
     results = asyncio.run(burst())
     refused = answered = 0
