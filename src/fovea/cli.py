@@ -257,6 +257,10 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         )
     except ValueError as exc:  # a combination of flags that cannot work: one line, no traceback
         raise FoveaError(str(exc)) from None
+    if not pd_worker:  # its front checked these
+        from fovea.serve.startup_checks import check_before_load
+
+        check_before_load(settings, front=bool(settings.pd_workers))
     if settings.pd_workers:
         from fovea.front.app import run_front
 
