@@ -100,8 +100,8 @@ class Planner:
             free, total = self.meter.free_total()
             raise MemoryPlanError(
                 f"the start-up profile ran out of memory on {self.device} ({str(exc).splitlines()[0][:160]}); "
-                f"{gib(free)} of {gib(total)} is free. Lower --max-batched-tokens or --max-batch-size, or free "
-                "the GPU.") from None
+                f"{gib(free)} of {gib(total)} is free. Lower --max-batched-tokens, --max-batch-size or "
+                "--vision-batch-size, or free the GPU.") from None
 
     def _request(self, exact: int | None) -> KVRequest:
         cfg, bs = self.config, self.runner.block_size
