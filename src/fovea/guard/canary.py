@@ -65,6 +65,8 @@ class CanaryResult:
     cases: list[CaseResult]
     checked_at: float = field(default_factory=time.time)
     seconds: float = 0.0
+    probe_size: int = PROBE_SIZE  # the probe images' side, and the answer tokens allowed (fitted to the limits)
+    answer_tokens: int = ANSWER_TOKENS
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,5 +152,6 @@ class Canary:
                                f"image (ablation KL {kl:.4f} <= threshold {threshold:.4f} nats)")
         min_kl = min((r.ablation_kl for r in results), default=math.nan)
         self.last = CanaryResult(not reasons, reasons, threshold, min_kl, results,
-                                 seconds=time.perf_counter() - started)
+                                 seconds=time.perf_counter() - started, probe_size=self.probe_size,
+                                 answer_tokens=self.answer_tokens)
         return self.last

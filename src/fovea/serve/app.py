@@ -193,7 +193,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             "memory": engine.memory_report(),
             "canary": None if last is None else {
                 "ok": last.ok, "min_ablation_kl": last.min_ablation_kl, "threshold": last.threshold,
-                "checked_at": last.checked_at, "answers": {c.colour: c.answer for c in last.cases}},
+                "checked_at": last.checked_at, "answers": {c.colour: c.answer for c in last.cases},
+                "probe_size": last.probe_size, "answer_tokens": last.answer_tokens},
         }
         code = 503 if (settings.strict and status != "ok") else 200
         return JSONResponse(body, status_code=code)
