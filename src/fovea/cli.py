@@ -22,7 +22,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else positive_int(text)
+    try:
+        return 0 if text.strip() == "0" else positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}") from None
 
 
 def _non_negative_float(text: str) -> float:
@@ -218,6 +221,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     media_kwargs = {}
     if args.max_image_bytes is not None:
         media_kwargs["max_image_bytes"] = args.max_image_bytes
+        # The upload store holds at least one image of the largest size accepted (as for videos).
+        media_kwargs["store_max_bytes"] = max(MediaConfig().store_max_bytes, args.max_image_bytes)
     if args.max_image_pixels is not None:
         media_kwargs["max_image_pixels"] = args.max_image_pixels
     if args.decode_memory is not None:
@@ -260,6 +265,10 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         )
     except ValueError as exc:  # a combination of flags that cannot work: one line, no traceback
         raise FoveaError(str(exc)) from None
+    if not pd_worker:  # its front checked these
+        from fovea.serve.startup_checks import check_before_load
+
+        check_before_load(settings, front=bool(settings.pd_workers))
     if settings.pd_workers:
         from fovea.front.app import run_front
 
