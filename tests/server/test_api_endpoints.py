@@ -42,6 +42,16 @@ def test_head_metrics_is_get_without_a_body(http):
     assert int(head.headers["content-length"]) > 0
 
 
+def test_retrieve_model_is_the_entry_of_the_list(http, client, assert_error):
+    listed = http.get("/v1/models").json()["data"][0]
+    one = http.get("/v1/models/fovea-shapes")
+    assert one.status_code == 200 and one.json() == listed
+    assert client.models.retrieve("fovea-shapes").id == "fovea-shapes"  # the openai client's own call
+    for name in ("gpt-4o", "org/fovea-shapes"):  # another name, with a slash too
+        error = assert_error(http.get(f"/v1/models/{name}"), 404, "model_not_found")
+        assert name in error["message"] and "fovea-shapes" in error["message"]
+
+
 def test_tokenize_messages_counts_image_tokens_as_chat_does(http, client, demo_model):
     body = http.post("/tokenize", json={"model": "fovea-shapes", "messages": MESSAGES}).json()
     reply = client.chat.completions.create(model="fovea-shapes", messages=MESSAGES, max_tokens=1)

@@ -36,10 +36,10 @@ class ModelNotFound(FoveaError):
     status, code = 404, "model_not_found"
 
 
-def check_model_name(state: ServerState, name: str | None) -> None:
+def check_model_name(state: ServerState, name: str | None, param: str | None = "model") -> None:
     if name and name != state.model_name:
         raise ModelNotFound(f"model {name!r} is not served here; this server serves {state.model_name!r} "
-                            "(GET /v1/models lists it).", param="model")
+                            "(GET /v1/models lists it).", param=param)
 
 
 def refuse_typed_placeholder(text: str, image_token: str, where: str) -> None:
