@@ -74,7 +74,7 @@ def to_template_messages(messages: list[ChatMessage], image_token: str = "<image
             content = ""
         if isinstance(content, str):
             refuse_typed_placeholder(content, image_token, f"messages[{i}].content")
-            out.append(with_tool_fields({"role": message.role, "content": content}, message, i))
+            out.append(with_message_fields({"role": message.role, "content": content}, message, i))
             continue
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
@@ -98,13 +98,15 @@ def to_template_messages(messages: list[ChatMessage], image_token: str = "<image
             else:
                 refuse_typed_placeholder(part.text, image_token, f"messages[{i}].content[{j}].text")
                 parts.append({"type": "text", "text": part.text})
-        out.append(with_tool_fields({"role": message.role, "content": parts}, message, i))
+        out.append(with_message_fields({"role": message.role, "content": parts}, message, i))
     return out, images
 
 
-def with_tool_fields(rendered: dict[str, Any], message: ChatMessage, i: int) -> dict[str, Any]:
-    """An assistant's earlier tool calls (arguments as objects, as chat templates expect them)
-    and a tool message's call id, for the template."""
+def with_message_fields(rendered: dict[str, Any], message: ChatMessage, i: int) -> dict[str, Any]:
+    """The message's ``name``, an assistant's earlier tool calls (arguments as objects, as chat
+    templates expect them) and a tool message's call id, for the templates that render them."""
+    if message.name is not None:
+        rendered["name"] = message.name
     if message.tool_calls:
         rendered["tool_calls"] = [template_call(c.id, c.function.name, c.function.arguments,
                                                 f"messages[{i}].tool_calls[{j}].function.arguments")
