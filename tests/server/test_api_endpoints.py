@@ -72,6 +72,25 @@ def test_tokenize_prompt_matches_completions(http, client):
     assert text_only["count"] == len(text_only["tokens"]) > 0
 
 
+def test_tokenize_add_special_tokens_reads_as_each_endpoint_does(http, demo_model):
+    """The demo's tokenizer adds a BOS, and its chat template writes one: a prompt has it unless
+    add_special_tokens is false; messages get a second one only with true."""
+    bos = demo_model.tokenizer.bos_token_id
+    assert bos is not None
+
+    def tokens(**body) -> list[int]:
+        reply = http.post("/tokenize", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["tokens"]
+
+    prompt = tokens(prompt=PROMPT, images=[URL])
+    assert prompt[0] == bos and prompt == tokens(prompt=PROMPT, images=[URL], add_special_tokens=True)
+    assert tokens(prompt=PROMPT, images=[URL], add_special_tokens=False) == prompt[1:]
+    chat = tokens(messages=MESSAGES)
+    assert chat[0] == bos and chat[1] != bos and chat == tokens(messages=MESSAGES, add_special_tokens=False)
+    assert tokens(messages=MESSAGES, add_special_tokens=True) == [bos, *chat]
+
+
 def test_detokenize_round_trips(http):
     tokens = http.post("/tokenize", json={"prompt": "red circle and blue square"}).json()["tokens"]
     text = http.post("/detokenize", json={"model": "fovea-shapes", "tokens": tokens}).json()["prompt"]
@@ -81,7 +100,9 @@ def test_detokenize_round_trips(http):
 @pytest.mark.parametrize(("path", "body", "status", "code", "param"), [
     ("/tokenize", {}, 400, "invalid_request", None),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "invalid_request", None),
-    ("/tokenize", {"prompt": "a", "add_special_tokens": False}, 400, "unsupported_parameter", "add_special_tokens"),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, 400, "unsupported_parameter",
+     "add_generation_prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, 400, "invalid_request", "add_special_tokens"),
     ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, 404, "model_not_found", "model"),
     ("/tokenize", {"prompt": PROMPT, "images": []}, 400, "image_placeholder_mismatch", None),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "invalid_request", "tokens[1]"),

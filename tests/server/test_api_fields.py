@@ -245,6 +245,21 @@ def _fovea(post, ep):
     refused(post(ep, fovea={"grounding": True}, n=2), "n", code="invalid_request")  # it scores one answer
 
 
+def _add_special_tokens(post, ep):
+    """The demo's tokenizer adds a BOS and its template writes one: completions lose it with
+    false, chat gets a second one with true; unset is each endpoint's default."""
+    def prompt_tokens(**extra) -> int:
+        return ok(post(ep, max_tokens=1, **extra))["usage"]["prompt_tokens"]
+    default = prompt_tokens()
+    if ep == fields.CHAT:
+        assert prompt_tokens(add_special_tokens=True) == default + 1
+        assert prompt_tokens(add_special_tokens=False) == default
+    else:
+        assert prompt_tokens(add_special_tokens=False) == default - 1
+        assert prompt_tokens(add_special_tokens=True) == default
+    refused(post(ep, add_special_tokens="no"), "add_special_tokens", code="invalid_request")
+
+
 def _unsatisfiable(name, value):
     def check(post, ep):  # the demo model's word-level vocabulary cannot spell JSON: refused, not ignored
         refused(post(ep, **{name: value}), name, code="grammar_unsatisfiable")
@@ -281,7 +296,7 @@ HONOURED_CHECKS = {
     "max_tokens": _max_tokens("max_tokens"), "max_completion_tokens": _max_tokens("max_completion_tokens"),
     "temperature": _temperature, "top_p": _top_p, "seed": _seed, "stop": _stop, "stream": _stream,
     "stream_options": _stream_options, "n": _n, "ignore_eos": _ignore_eos, "min_tokens": _min_tokens,
-    "fovea": _fovea, "logprobs": _logprobs, "top_logprobs": _top_logprobs, "presence_penalty": _presence_penalty,
+    "fovea": _fovea, "add_special_tokens": _add_special_tokens, "logprobs": _logprobs, "top_logprobs": _top_logprobs, "presence_penalty": _presence_penalty,
     "frequency_penalty": _frequency_penalty, "repetition_penalty": _repetition_penalty, "logit_bias": _logit_bias,
     "stop_token_ids": _stop_token_ids, "top_k": _top_k, "min_p": _min_p,
     "response_format": _unsatisfiable("response_format", {"type": "json_object"}),

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.media.video import load_video_bytes
 from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch, render_chat
+from fovea.models.base import EncodeOptions
 from fovea.serve.generation import respond
 from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, VideoURLPart
 from fovea.serve.state import ServerState
@@ -167,9 +168,16 @@ async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest, tool
     videos = await load_videos(state, video_refs) if video_refs else []
     text = render_chat(state.loaded, messages, tools.tools if tools else None)  # jinja: well under a millisecond
     grounding = bool(req.fovea and req.fovea.grounding)
+    options = EncodeOptions(req.add_special_tokens, low_detail(req.messages))
     if videos:
-        return await state.preprocessor.prompts(text, images, blank_twin=grounding, videos=videos)
-    return await state.preprocessor.prompts(text, images, blank_twin=grounding)
+        return await state.preprocessor.prompts(text, images, blank_twin=grounding, videos=videos, options=options)
+    return await state.preprocessor.prompts(text, images, blank_twin=grounding, options=options)
+
+
+def low_detail(messages: list[ChatMessage]) -> tuple[bool, ...]:
+    """Per image, in the order to_template_messages collects them: sent with detail "low"."""
+    return tuple(part.image_url.detail == "low" for message in messages if isinstance(message.content, list)
+                 for part in message.content if isinstance(part, ImageURLPart))
 
 
 def make_chat_router(state: ServerState) -> APIRouter:

@@ -130,6 +130,9 @@ class SamplingFields(BaseModel):
     # Token id (a string of digits, as JSON keys are) -> bias added to its logit.
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     fovea: FoveaOptions | None = None
+    # vLLM's extension: whether the tokenizer adds its special tokens (a BOS) to the prompt; None:
+    # chat's template writes them (no second BOS), a raw prompt gets the tokenizer's default.
+    add_special_tokens: bool | None = Field(default=None, strict=True)
     # Structured outputs (checked and compiled by serve/structured.py).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
