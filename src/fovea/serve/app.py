@@ -23,7 +23,7 @@ from fovea.logs import RequestIdMiddleware
 from fovea.model.contract import check_contract, vision_row_width
 from fovea.model.loader import LoadedModel, default_model_dir, load_model, resolve_device, resolve_dtype
 from fovea.serve.body_limit import BodyLimitMiddleware
-from fovea.serve.chat import make_chat_router
+from fovea.serve.chat import check_model_name, make_chat_router
 from fovea.serve.completions import make_completions_router
 from fovea.serve.error_handlers import install_error_handlers
 from fovea.serve.images_api import make_images_router
@@ -217,16 +217,26 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     async def version():
         return {"version": __version__}
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
+    def model_card() -> dict:
+        return {
             "id": state.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "fovea",
             "root": state.model_name,  # not the server's filesystem path
             "max_model_len": getattr(engine, "max_context", loaded.context_length),
-        }]}
+        }
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        """OpenAI's "retrieve model": the one entry of /v1/models, or 404 for another name
+        (``:path``: served names such as ``Qwen/Qwen2.5-VL-7B-Instruct`` hold slashes)."""
+        check_model_name(state, model, param=None)
+        return model_card()
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(StripTrailingSlash)

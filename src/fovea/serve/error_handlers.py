@@ -22,6 +22,32 @@ def error_body(message: str, code: str, param: str | None = None, type_: str = "
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# Schema errors that name a key fovea does not take (or takes only as null): unsupported_parameter.
+UNSUPPORTED_TYPES = frozenset({"extra_forbidden", "unsupported_parameter"})
+
+
+def request_path(loc: tuple) -> list[str]:
+    """The path of the request key at pydantic's ``loc``, without the union labels pydantic puts
+    in it: branch names ("str", "TextPart", "list[tagged-union[...]]") and, after an index into
+    a tagged union's list, the item's tag ("content", <label>, 1, "text", "foo" is content[1].foo)."""
+    path: list[str] = []
+    tagged = tag_next = False
+    for p in loc:
+        p = str(p)
+        if p.isdigit():  # a list index, or a key such as logit_bias's "7"
+            path.append(p)
+            tag_next, tagged = tagged, False
+            continue
+        if tag_next:
+            tag_next = False
+            continue
+        if not p.isidentifier() or p[:1].isupper() or p in {"str", "int"}:
+            tagged = "tagged-union[" in p
+            continue
+        path.append(p)
+    return path
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """The first schema error as one sentence plus the dotted path of the offending field."""
     errors = exc.errors()
@@ -30,12 +56,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # With unions (content: str | list[part]) pydantic reports one error per branch; the
     # deepest one is the branch the client meant.
     first = max(errors, key=lambda e: len(e.get("loc", ())))
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Drop pydantic's union-branch labels ("TextPart", "str", "list[...]") from the path.
-    path = [p for p in loc if p.isdigit() or (p.isidentifier() and not p[:1].isupper() and p not in {"str", "int"})]
-    # A tagged union puts the tag before the field ("image_url", "image_url", "url"): drop the tag.
-    path = [p for i, p in enumerate(path) if not (i + 1 < len(path) and path[i + 1] == p and i > 0
-                                                  and path[i - 1].isdigit())]
+    loc = tuple(first.get("loc", ()))
+    path = request_path(loc[1:] if loc[:1] == ("body",) else loc)
     param = ""
     for part in path:
         param += f"[{part}]" if part.isdigit() else (f".{part}" if param else part)
@@ -61,7 +83,7 @@ def install_error_handlers(app: FastAPI, on_error_code: Callable[[str], None] | 
         message, param = validation_message(exc)
         # A key the schema forbids (stream_options.unknown, fovea.unknown) is a
         # parameter fovea does not support, never one it ignores.
-        forbidden = any(e.get("type") == "extra_forbidden" for e in exc.errors())
+        forbidden = any(e.get("type") in UNSUPPORTED_TYPES for e in exc.errors())
         if forbidden:
             message = f"{message}: fovea does not support this field; remove it (docs/api.md lists every field)"
         code = "unsupported_parameter" if forbidden else "invalid_request"

@@ -109,6 +109,10 @@ FIELDS: tuple[Field, ...] = (
     Field("ignore_eos", HONOURED, "vLLM extension: end-of-sequence does not end the answer", example=True),
     Field("min_tokens", HONOURED, "vLLM extension: no end-of-sequence or stop string before this many tokens",
           example=6),
+    Field("add_special_tokens", HONOURED, "vLLM extension: `true` has the tokenizer add its special tokens (a "
+          "BOS) to the prompt, `false` adds none. Unset, completions get the tokenizer's default (a BOS where the "
+          "tokenizer adds one) and chat the template's own (no second BOS after a template that writes one); "
+          "`true` on chat adds them even then, as vLLM does. `/tokenize` reads it the same way", example=False),
     Field("fovea", HONOURED, "fovea extension: `{\"grounding\": true}` adds a per-request grounding score, "
           "`{\"timing\": true}` the request's encoder latency, time to first token and tokens/s",
           example={"grounding": True}),
