@@ -1,11 +1,12 @@
 """What an adversarial probe of the server found, pinned: parser depth, JSON errors, the slash
-redirect, the model path, idle connections."""
+redirect, the model path, idle connections, misframed requests."""
 
 import socket
 import time
 
 import httpx
 import pytest
+from framing_helpers import MISFRAMED, PIPELINED, STATUS_LINE, address, assert_one_framing_refusal, until_closed
 
 from fovea.serve import http_protocol
 from fovea.serve.http_protocol import DeadlineH11Protocol
@@ -126,3 +127,14 @@ def test_an_idle_pooled_connection_outlives_the_clients_pool_expiry(server):
         assert not closed_within(sock, 6.0)  # still open after 6 s idle
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert read_response(sock).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("request_bytes", MISFRAMED.values(), ids=MISFRAMED.keys())
+def test_a_misframed_request_is_refused_and_its_connection_closed_before_a_pipelined_one(server, request_bytes):
+    assert_one_framing_refusal(server.base_url, request_bytes)
+
+
+def test_a_well_framed_request_keeps_its_connection_for_the_pipelined_one(server):
+    with socket.create_connection(address(server.base_url)) as sock:
+        sock.sendall(PIPELINED + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert STATUS_LINE.findall(until_closed(sock)) == [b"200", b"200"]
