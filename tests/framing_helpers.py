@@ -50,3 +50,17 @@ def assert_one_framing_refusal(base_url: str, request: bytes) -> None:
     head, _, body = data.partition(b"\r\n\r\n")
     assert b"connection: close" in head.lower()
     assert json.loads(body)["error"]["code"] == "invalid_http_framing"
+
+
+def send_part_of_a_body(base_url: str, path: str) -> None:
+    """A request that declares 1,000 bytes of body, sends 13 of them, and hangs up."""
+    with socket.create_connection(address(base_url)) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 1000\r\n\r\n".encode() + b'{"model": "x"')
+
+
+def counted(metrics_text: str, metric: str, route: str, status: int) -> float:
+    """The value of ``metric{route=..., status=...}`` in a Prometheus text page (0 when absent)."""
+    pattern = re.compile(rf'^{metric}\{{(?=[^}}]*route="{re.escape(route)}")(?=[^}}]*status="{status}")[^}}]*\}} '
+                         r"(\S+)$", re.M)
+    return sum(float(value) for value in pattern.findall(metrics_text))
