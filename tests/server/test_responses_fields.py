@@ -125,17 +125,17 @@ def sampled_with(http, call) -> list:
     """The engine's SamplingParams of each request ``call`` makes (the Responses API has no seed,
     so what reaches the sampler is checked, and the sampler itself by the chat tests)."""
     engine = http.fovea_state.engine
-    generate, seen = engine.generate, []
+    submit, seen = engine.submit, []  # every request reaches the engine through submit
 
     def spy(prompt, params, *args, **kwargs):
         seen.append(params)
-        return generate(prompt, params, *args, **kwargs)
+        return submit(prompt, params, *args, **kwargs)
 
-    engine.generate = spy
+    engine.submit = spy
     try:
         call()
     finally:
-        engine.generate = generate
+        engine.submit = submit
     return seen
 
 
