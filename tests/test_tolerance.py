@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fovea.testing.tolerance import assert_close_for, decoder_path_len, max_error, reduction_atol
+from fovea.testing.tolerance import assert_close_for, transformer_path_len, max_error, reduction_atol
 
 
 def test_the_bound_is_k_eps_sqrt_n_scale_plus_one_storage_rounding():
@@ -54,4 +54,4 @@ def test_nan_and_shape_mismatch_fail():
 
 def test_a_decoder_path_counts_every_reduction():
     # 2 layers of (2 norms 2·8 + qkv 8 + scores 4 + softmax and sum 2·5 + o 2·4 + gate/up 8 + down 20) + norm and head
-    assert decoder_path_len(8, 20, 2, 5, heads=2) == 2 * (16 + 8 + 4 + 10 + 8 + 8 + 20) + 16
+    assert transformer_path_len(8, 20, 2, 5, heads=2) == 2 * (16 + 8 + 4 + 10 + 8 + 8 + 20) + 16

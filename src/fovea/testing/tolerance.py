@@ -12,7 +12,7 @@ from the dtype and the size of the computation is:
   about ``eps · sqrt(n) · |result|`` whatever the order (pairwise or blocked orders only do
   better).
 - A chain of such computations (a network's layers) adds their errors the same way: ``n`` is
-  then the total reduction length along the path (``decoder_path_len``).
+  then the total reduction length along the path (``transformer_path_len``).
 - Values stored in a narrower dtype than the one that accumulates (bf16 inputs, fp32
   accumulators) add one rounding of that dtype, ``eps(storage) · |result|``, which does not
   grow with ``n``.
@@ -49,24 +49,40 @@ def reduction_atol(dtype: torch.dtype, n: int, scale: float, *, storage: torch.d
     return k * (eps(dtype) * math.sqrt(max(n, 1)) + stored) * float(scale)
 
 
-def decoder_path_len(hidden: int, intermediate: int, layers: int, context: int, heads: int = 1,
-                     head_dim: int | None = None) -> int:
-    """The total reduction length along a Llama-style decoder, embeddings to logits: per layer two
-    RMS norms, the q/k/v projection, the attention scores, the softmax and its weighted sum over
-    ``context`` tokens, the output projection, gate/up and down; then the final norm and the
-    LM head."""
+def attention_path_len(head_dim: int, context: int) -> int:
+    """Attention's reductions: the scores (``head_dim``), then the softmax's sum and the weighted
+    sum of values, each over ``context`` keys."""
+    return head_dim + 2 * context
+
+
+def transformer_path_len(hidden: int, intermediate: int, layers: int, context: int, heads: int = 1,
+                         head_dim: int | None = None) -> int:
+    """The total reduction length along a transformer (a Llama-style decoder, a ViT): per layer two
+    norms, the q/k/v projection, the attention scores, the softmax and its weighted sum over
+    ``context`` tokens, the output projection, the MLP's first and second projections; then a
+    final norm and one projection (an LM head, a projector's first linear)."""
     head_dim = head_dim or hidden // max(heads, 1)
-    per_layer = 2 * hidden + hidden + head_dim + 2 * context + heads * head_dim + hidden + intermediate
+    per_layer = 2 * hidden + hidden + attention_path_len(head_dim, context) + heads * head_dim + hidden + intermediate
     return layers * per_layer + 2 * hidden
 
 
-def decoder_path_len_of(text_config, context: int, layers: int | None = None) -> int:
-    """``decoder_path_len`` from a transformers text config (Llama, Qwen2, Qwen3, Mistral...),
-    through its first ``layers`` layers (all by default)."""
-    heads = text_config.num_attention_heads
-    return decoder_path_len(text_config.hidden_size, text_config.intermediate_size,
-                            text_config.num_hidden_layers if layers is None else layers, context, heads,
-                            getattr(text_config, "head_dim", None))
+def path_len_of(config, context: int, layers: int | None = None) -> int:
+    """``transformer_path_len`` from a transformers config (a text config: Llama, Qwen2, Qwen3,
+    Mistral; a vision config: CLIP, SigLIP, Qwen's ``depth``/``num_heads``), through its first
+    ``layers`` layers (all by default)."""
+    depth = getattr(config, "num_hidden_layers", None) or config.depth
+    heads = getattr(config, "num_attention_heads", None) or config.num_heads
+    return transformer_path_len(config.hidden_size, config.intermediate_size, depth if layers is None else layers,
+                                context, heads, getattr(config, "head_dim", None))
+
+
+def vision_path_len(config, layers: int | None = None) -> int:
+    """A LLaVA-style vision stage from its (LLaVA) config: the patch embedding, the tower's layers
+    over its tokens (the first ``layers`` of them, or all of them and then the projector)."""
+    vision = config.vision_config
+    tokens = (vision.image_size // vision.patch_size) ** 2 + 1
+    projector = config.text_config.hidden_size if layers is None else 0
+    return vision.num_channels * vision.patch_size ** 2 + path_len_of(vision, tokens, layers) + projector
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
