@@ -76,13 +76,31 @@ def path_len_of(config, context: int, layers: int | None = None) -> int:
                                 context, heads, getattr(config, "head_dim", None))
 
 
-def vision_path_len(config, layers: int | None = None) -> int:
-    """A LLaVA-style vision stage from its (LLaVA) config: the patch embedding, the tower's layers
-    over its tokens (the first ``layers`` of them, or all of them and then the projector)."""
+def tower_path_len(vision_config, tokens: int, layers: int | None = None) -> int:
+    """A vision tower (CLIP, SigLIP, Qwen's): the patch embedding, then its layers over ``tokens``."""
+    channels = getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", 3)
+    embed = channels * getattr(vision_config, "temporal_patch_size", 1) * vision_config.patch_size ** 2
+    return embed + path_len_of(vision_config, tokens, layers)
+
+
+def vision_path_len(config, tokens: int | None = None, layers: int | None = None) -> int:
+    """A VLM's vision stage, from the model's config: the tower over ``tokens`` patches (by default
+    the one image size's, as LLaVA-1.5 has), through its first ``layers`` layers, or all of them
+    and then the projector."""
     vision = config.vision_config
-    tokens = (vision.image_size // vision.patch_size) ** 2 + 1
+    if tokens is None:
+        tokens = (vision.image_size // vision.patch_size) ** 2 + 1
     projector = config.text_config.hidden_size if layers is None else 0
-    return vision.num_channels * vision.patch_size ** 2 + path_len_of(vision, tokens, layers) + projector
+    return tower_path_len(vision, tokens, layers) + projector
+
+
+def model_path_len(config, context: int) -> int:
+    """A whole VLM, pixels to logits, for a prompt of ``context`` tokens: the vision stage (over up
+    to four patches per prompt token, as a 2x2 merge makes: an upper estimate is safe, the bound
+    grows as its square root) and the decoder."""
+    text = getattr(config, "text_config", config)
+    seen = vision_path_len(config, 4 * context) if getattr(config, "vision_config", None) is not None else 0
+    return seen + path_len_of(text, context)
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -104,3 +122,20 @@ def assert_close_for(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.
     stored = f" + eps({storage})" if storage is not None else ""
     assert err <= atol, (f"{what + ': ' if what else ''}max error {err:.3g} exceeds {atol:.3g} = "
                          f"{k:g}·(eps({dtype})·sqrt({reduction_len}){stored})·{scale:.3g}")
+
+
+def assert_close_to_model(actual: torch.Tensor, expected: torch.Tensor, config, context: int, *,
+                          scale: float | None = None, what: str = "") -> None:
+    """``assert_close_for`` for a whole float32 VLM forward (``model_path_len``): an engine's logits
+    or log-probabilities against transformers' own. Pass the whole distribution's ``scale`` when
+    comparing a few of its log-probabilities: their error is the logits', whatever their own size."""
+    assert_close_for(actual, expected, torch.float32, model_path_len(config, context), scale=scale, what=what)
+
+
+def api_logprobs_atol(config, context: int, values: list[float]) -> float:
+    """The tolerance for float32 log-probabilities read from the API, where the logits are not seen:
+    their error is the logits' (``model_path_len``), whose scale the largest returned magnitude
+    stands for, and at least one nat (a confident answer's log-probabilities are all near 0 while
+    its logits are not)."""
+    scale = max([1.0, *(abs(v) for v in values)])
+    return reduction_atol(torch.float32, model_path_len(config, context), scale)
