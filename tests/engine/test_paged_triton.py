@@ -31,7 +31,8 @@ def test_triton_paged_decode_matches_torch(case):
         got = triton_decode.paged_decode(q, kc, vc, bt, cl, dim ** -0.5).float()
         ref = paged_decode_torch(q.float(), kc.float(), vc.float(), bt, cl, dim ** -0.5)
         # The kernel accumulates in float32; a narrower dtype rounds its weights and its output.
-        assert_close_for(got, ref, torch.float32, attention_path_len(dim, ctx), storage=dtype, what=str(dtype))
+        assert_close_for(got, ref, torch.float32, attention_path_len(dim, ctx), storage=dtype,
+                         what=str(dtype))
 
 
 def test_paged_decode_torch_equals_plain_attention():
@@ -43,7 +44,8 @@ def test_paged_decode_torch_equals_plain_attention():
         k = kc[bt[b].long()].flatten(0, 1)[:n].repeat_interleave(4, dim=1)  # [n, H, D]
         v = vc[bt[b].long()].flatten(0, 1)[:n].repeat_interleave(4, dim=1)
         weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * 0.2, dim=-1)
-        assert_close_for(out[b], torch.einsum("hn,nhd->hd", weights, v), torch.float32, attention_path_len(32, n))
+        want = torch.einsum("hn,nhd->hd", weights, v)
+        assert_close_for(out[b], want, torch.float32, attention_path_len(32, n))
 
 
 def test_choose_config_policy():

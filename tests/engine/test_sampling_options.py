@@ -128,11 +128,14 @@ def test_logprobs_are_the_reference_models_raw_log_softmax(random_model, random_
         want = torch.log_softmax(reference_logits(random_model, random_prompt, generated[:i]), dim=-1)
         entry = event.logprob
         assert entry is not None and entry.token_id == event.token_id
-        config, context, scale = random_model.model.config, len(random_prompt.input_ids) + i, float(want.abs().max())
+        # The error of a log-probability is the logits': the whole distribution's scale.
+        config, context = random_model.model.config, len(random_prompt.input_ids) + i
+        scale = float(want.abs().max())
         assert_close_to_model(torch.tensor(entry.logprob), want[event.token_id], config, context, scale=scale)
         top = torch.topk(want, 5)
         assert [t for t, _ in entry.top] == top.indices.tolist()
-        assert_close_to_model(torch.tensor([lp for _, lp in entry.top]), top.values, config, context, scale=scale)
+        got_top = torch.tensor([lp for _, lp in entry.top])
+        assert_close_to_model(got_top, top.values, config, context, scale=scale)
 
 
 @overlap_modes

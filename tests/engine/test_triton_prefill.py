@@ -37,7 +37,8 @@ def _compare(spans, heads, kv_heads, dim, block_size, dtype, config=None, seed=0
     # float32 accumulators; a narrower dtype rounds the weights and the output. NaN (a read of a
     # poisoned slot past the causal bound) fails too.
     context = max(start + length for start, length in spans)
-    assert_close_for(got.float(), ref, torch.float32, attention_path_len(dim, context), storage=dtype, what=str(dtype))
+    assert_close_for(got.float(), ref, torch.float32, attention_path_len(dim, context), storage=dtype,
+                     what=str(dtype))
 
 
 @needs_triton
@@ -120,6 +121,7 @@ def test_prefill_reference_equals_naive_attention():
             row, pos = int(cu[i]) + j, start + j
             for h in range(heads):
                 w = torch.softmax(k[:pos + 1, h // group] @ q[row, h] * scale, dim=0)
-                assert_close_for(out[row, h], w @ v[:pos + 1, h // group], torch.float32, attention_path_len(dim, pos + 1))
+                assert_close_for(out[row, h], w @ v[:pos + 1, h // group], torch.float32,
+                                 attention_path_len(dim, pos + 1))
     with pytest.raises(ValueError):  # a chunk longer than max_q_len
         prefill_torch_reference(q, k_cache, v_cache, cu, starts, tables, scale, 6)

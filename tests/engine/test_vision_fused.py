@@ -196,7 +196,8 @@ def test_the_image_encoder_runs_the_encode_it_is_given(demo_model):
     plain = ImageEncoder(demo_model, EncoderCache(), batch_size=2).rows_for(prompts)  # default: the adapter's
     path = vision_path_len(demo_model.model.config)
     assert_close_for(rows["h2"], plain["h2"] + 1, torch.float32, path)
-    assert_close_for(plain["h2"], encode_images(demo_model, prompts[2].images[0].pixels[None])[0], torch.float32, path)
+    alone = encode_images(demo_model, prompts[2].images[0].pixels[None])[0]
+    assert_close_for(plain["h2"], alone, torch.float32, path)
 
 
 def test_the_vision_graphs_capture_the_encode_they_are_given(demo_model, monkeypatch):

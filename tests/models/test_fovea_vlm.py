@@ -92,7 +92,8 @@ def test_vision_rows_equal_the_reference_forward(vlm):
     for a, b in zip(rows, theirs, strict=True):
         assert_close_for(a, b, torch.float32, vision_path_len(model.model.config, 4 * a.shape[0]))
     with pytest.raises(AssertionError, match="exceeds"):  # two images, two different runs of rows
-        assert_close_for(rows[0], rows[1], torch.float32, vision_path_len(model.model.config, 4 * rows[0].shape[0]))
+        assert_close_for(rows[0], rows[1], torch.float32,
+                         vision_path_len(model.model.config, 4 * rows[0].shape[0]))
 
 
 def test_the_reference_forward_sees_the_image(vlm):
@@ -100,8 +101,8 @@ def test_the_reference_forward_sees_the_image(vlm):
     one, other = chat(model, [noise(90, 60, 4)]), chat(model, [noise(90, 60, 5)])
     assert one.input_ids == other.input_ids
     with pytest.raises(AssertionError, match="exceeds"):  # further apart than rounding explains
-        assert_close_to_model(reference_logits(model, one), reference_logits(model, other), model.model.config,
-                              len(one.input_ids))
+        assert_close_to_model(reference_logits(model, one), reference_logits(model, other),
+                              model.model.config, len(one.input_ids))
 
 
 def test_greedy_tokens_equal_the_reference_generate(vlm):

@@ -106,8 +106,9 @@ def test_the_towers_rows_equal_get_video_features(qwen):
                                                            inputs["video_grid_thw"]).pooler_output
         theirs_image = qwen.model.model.get_image_features(inputs["pixel_values"],
                                                            inputs["image_grid_thw"]).pooler_output
-    assert_close_for(ours[1], theirs_video[0], torch.float32, vision_path_len(qwen.model.config, 4 * ours[1].shape[0]))
-    assert_close_for(ours[0], theirs_image[0], torch.float32, vision_path_len(qwen.model.config, 4 * ours[0].shape[0]))
+    config = qwen.model.config
+    assert_close_for(ours[1], theirs_video[0], torch.float32, vision_path_len(config, 4 * ours[1].shape[0]))
+    assert_close_for(ours[0], theirs_image[0], torch.float32, vision_path_len(config, 4 * ours[0].shape[0]))
 
 
 def test_greedy_tokens_equal_transformers_generate(qwen):

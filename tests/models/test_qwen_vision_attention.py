@@ -26,7 +26,8 @@ def test_grouped_attention_equals_one_call_per_chunk():
     for start, end in itertools.pairwise(bounds):
         want = torch.nn.functional.scaled_dot_product_attention(
             q[:, start:end][None], k[:, start:end][None], v[:, start:end][None], scale=0.35)[0]
-        assert_close_for(got[start:end], want.transpose(0, 1), torch.float32, attention_path_len(8, end - start))
+        assert_close_for(got[start:end], want.transpose(0, 1), torch.float32,
+                         attention_path_len(8, end - start))
 
 
 def test_the_tower_gives_transformers_rows_and_is_restored_after(qwen):  # noqa: F811

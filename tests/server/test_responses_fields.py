@@ -270,7 +270,8 @@ def _include(post, http):
     assert part_of(ok(post(temperature=0)))["logprobs"] == []  # only when asked
     events = events_of(post(temperature=0, stream=True, include=[LOGPROBS]))
     streamed = [e for ev in events if ev["type"] == "response.output_text.delta" for e in ev["logprobs"]]
-    assert streamed == part_of(events[-1]["response"])["logprobs"] and same_entries(http, streamed, part["logprobs"])
+    assert streamed == part_of(events[-1]["response"])["logprobs"]
+    assert same_entries(http, streamed, part["logprobs"])
     refused(post(include=["reasoning.encrypted_content"]), "include")
     refused(post(include=[LOGPROBS, "message.input_image.image_url"]), "include")
 

@@ -62,7 +62,8 @@ def transformer_path_len(hidden: int, intermediate: int, layers: int, context: i
     ``context`` tokens, the output projection, the MLP's first and second projections; then a
     final norm and one projection (an LM head, a projector's first linear)."""
     head_dim = head_dim or hidden // max(heads, 1)
-    per_layer = 2 * hidden + hidden + attention_path_len(head_dim, context) + heads * head_dim + hidden + intermediate
+    norms, qkv, out, mlp = 2 * hidden, hidden, heads * head_dim, hidden + intermediate
+    per_layer = norms + qkv + attention_path_len(head_dim, context) + out + mlp
     return layers * per_layer + 2 * hidden
 
 
@@ -72,8 +73,9 @@ def path_len_of(config, context: int, layers: int | None = None) -> int:
     ``layers`` layers (all by default)."""
     depth = getattr(config, "num_hidden_layers", None) or config.depth
     heads = getattr(config, "num_attention_heads", None) or config.num_heads
-    return transformer_path_len(config.hidden_size, config.intermediate_size, depth if layers is None else layers,
-                                context, heads, getattr(config, "head_dim", None))
+    layers = depth if layers is None else layers
+    return transformer_path_len(config.hidden_size, config.intermediate_size, layers, context, heads,
+                                getattr(config, "head_dim", None))
 
 
 def tower_path_len(vision_config, tokens: int, layers: int | None = None) -> int:
