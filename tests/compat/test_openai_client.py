@@ -3,14 +3,13 @@ goes through the client's own request building, parsing and exception mapping.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
+import httpx
 import openai
 import pytest
-from scene_helpers import LiveServer, data_url, free_port, fresh_scene, start_server, stop_server
+from scene_helpers import data_url, fresh_scene
+from servers import Served
 
 from fovea import __version__
-from fovea.config import ServerSettings
 from fovea.demo import scenes
 
 SCENE = fresh_scene(6100, min_shapes=2)
@@ -20,8 +19,8 @@ MODEL = "fovea-shapes"
 
 
 @pytest.fixture(scope="module")
-def client(live_server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def client(live_server: Served) -> openai.OpenAI:
+    return live_server.client()
 
 
 def chat_content(question: str = "Describe the image.") -> list:
@@ -83,22 +82,17 @@ def test_errors_arrive_as_the_clients_exception_classes_with_foveas_code(client,
     assert isinstance(caught.value.message, str) and caught.value.message
 
 
-@pytest.fixture(scope="module")
-def locked(demo_model) -> Iterator[LiveServer]:
-    settings = ServerSettings(host="127.0.0.1", port=free_port(), device="cpu", dtype="float32", canary=False,
-                              api_key="right")
-    live, server, thread = start_server(settings, demo_model)
-    yield live
-    stop_server(server, thread)
-
-
-def test_a_wrong_api_key_is_an_authentication_error(locked):
-    wrong = openai.OpenAI(base_url=locked.base_url + "/v1", api_key="wrong", max_retries=0, timeout=30)
+def test_the_key_is_required_exactly_when_the_server_has_one(live_server):
+    bare = httpx.get(live_server.base_url + "/v1/models", timeout=30)
+    if live_server.setup.api_key is None:
+        assert bare.status_code == 200  # no --api-key: a request without one is served
+        return
+    assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+    wrong = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="wrong", max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError) as caught:
         wrong.models.list()
     assert caught.value.status_code == 401 and caught.value.code == "invalid_api_key"
-    right = openai.OpenAI(base_url=locked.base_url + "/v1", api_key="right", max_retries=0, timeout=30)
-    assert right.models.list().data[0].id == MODEL
+    assert live_server.client().models.list().data[0].id == MODEL
 
 
 def test_responses_create_retrieve_continue_delete(client):

@@ -18,7 +18,7 @@ QUESTION = "What is the weather in Rome?"
 
 @pytest.fixture(scope="module")
 def client(byte_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=byte_server.base_url + "/v1", api_key="unused", max_retries=0)
+    return byte_server.client()
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_refusals(client, model, live_server):
         with pytest.raises(openai.BadRequestError) as caught:
             create(client, model, **extra)
         assert (caught.value.body["code"], caught.value.body["param"]) == (code, param), caught.value.body
-    demo = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0)
+    demo = live_server.client()
     for extra in ({"tools": FLAT}, {"input": [{"role": "user", "content": "hi"}, {
             "type": "function_call", "call_id": "c", "name": "flip", "arguments": "{}"}]}):
         with pytest.raises(openai.BadRequestError) as caught:

@@ -22,7 +22,7 @@ PROMPT = "user: <image> Describe the image. assistant:"
 
 @pytest.fixture(scope="module")
 def client(live_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return live_server.client()
 
 
 @functools.cache

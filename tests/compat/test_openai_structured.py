@@ -19,12 +19,12 @@ from structured_helpers import PERSON, SCHEMAS, SHAPE, schema_format, user
 
 @pytest.fixture(scope="module")
 def client(byte_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=byte_server.base_url + "/v1", api_key="unused", max_retries=0)
+    return byte_server.client()
 
 
 @pytest.fixture(scope="module")
 def aclient(byte_server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=byte_server.base_url + "/v1", api_key="unused", max_retries=0)
+    return byte_server.aclient()
 
 
 def valid(text: str, schema: dict) -> dict:
@@ -134,7 +134,7 @@ def test_refusals_name_the_problem(client, extra, code, param):
 
 
 def test_demo_model_cannot_spell_json(live_server):
-    demo = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0)
+    demo = live_server.client()
     with pytest.raises(openai.BadRequestError) as caught:
         demo.chat.completions.create(model="fovea-shapes", messages=user("Describe the image.", image=True),
                                      response_format=schema_format("shape"))

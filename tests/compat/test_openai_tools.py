@@ -25,7 +25,7 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def client(byte_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=byte_server.base_url + "/v1", api_key="unused", max_retries=0)
+    return byte_server.client()
 
 
 def ask(client, **kw):
@@ -126,7 +126,7 @@ def test_refusals(client, live_server):
     with pytest.raises(openai.BadRequestError) as caught:
         ask(client, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     assert caught.value.body["code"] == "conflicting_structured_outputs"
-    demo = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0)
+    demo = live_server.client()
     for extra in ({"tools": TOOLS}, {"messages": [*user("hi"), {"role": "tool", "tool_call_id": "c", "content": "x"}]}):
         with pytest.raises(openai.BadRequestError) as caught:
             demo.chat.completions.create(model="fovea-shapes", **{"messages": user("hi"), **extra})

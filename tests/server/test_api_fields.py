@@ -344,8 +344,7 @@ def test_unknown_and_other_endpoint_fields_are_refused(post, endpoint):
     refused(post(endpoint, frobnicate=1), "frobnicate")
     other, value = ("suffix", "") if endpoint == fields.CHAT else ("tools", [])
     refused(post(endpoint, **{other: value}), other)
-    refused(post(endpoint, stream=True, stream_options={"continuous_usage_stats": True}),
-            "stream_options.continuous_usage_stats")
+    refused(post(endpoint, stream=True, stream_options={"frobnicate": True}), "stream_options.frobnicate")
     for name, value in (("user", 5), ("metadata", ["x"])):  # no-op at any value of the right type only
         refused(post(endpoint, **{name: value}), name, code="invalid_request")
 

@@ -9,12 +9,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from fovea.errors import FoveaError
 
 log = logging.getLogger("fovea.serve")
 
 _FASTAPI_PARSE_ERROR = "There was an error parsing the body"
+# nginx's "client closed request": what a request whose client left while sending its body is
+# counted and logged as. Nobody reads the response.
+CLIENT_CLOSED = 499
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -70,6 +74,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'request'}: {message}{more}", param or None
 
 
+def _client_closed() -> JSONResponse:
+    return JSONResponse(error_body("the client closed the connection before its request body arrived",
+                                   "client_disconnected"), status_code=CLIENT_CLOSED)
+
+
 def install_error_handlers(app: FastAPI, on_error_code: Callable[[str], None] | None = None) -> None:
     @app.exception_handler(FoveaError)
     async def _fovea(request: Request, exc: FoveaError) -> JSONResponse:
@@ -81,7 +90,7 @@ def install_error_handlers(app: FastAPI, on_error_code: Callable[[str], None] | 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
-        # A key the schema forbids (stream_options.continuous_usage_stats, fovea.unknown) is a
+        # A key the schema forbids (stream_options.unknown, fovea.unknown) is a
         # parameter fovea does not support, never one it ignores.
         forbidden = any(e.get("type") in UNSUPPORTED_TYPES for e in exc.errors())
         if forbidden:
@@ -89,8 +98,14 @@ def install_error_handlers(app: FastAPI, on_error_code: Callable[[str], None] | 
         code = "unsupported_parameter" if forbidden else "invalid_request"
         return JSONResponse(error_body(message, code, param), status_code=400)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _disconnect(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        return _client_closed()  # one access line, counted; not a traceback
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's body parser wraps it in a 400
+            return _client_closed()
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         message = str(exc.detail)
         if exc.status_code == 400:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from fovea.disagg.parent_watch import exit_with_parent
 from fovea.errors import FoveaError
 from fovea.media import MediaConfig, decode_image_bytes
 from fovea.media.video import DecodedVideo, decode_video_bytes
@@ -107,6 +108,7 @@ _WORKER: tuple[PromptCodec, MediaConfig, int | None, str] | None = None
 
 def _init_worker(codec: bytes, recipe_fields: tuple[str, ...], media: MediaConfig, reduce_to: int | None) -> None:
     global _WORKER
+    exit_with_parent()  # a server killed with SIGKILL leaves no preprocessing worker behind
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
     model = pickle.loads(codec)
     _WORKER = (model, media, reduce_to, codec_fingerprint(model, recipe_fields))

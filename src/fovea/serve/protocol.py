@@ -91,8 +91,9 @@ class ChatMessage(_Strict):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # continuous_usage_stats and the like are refused
+    model_config = ConfigDict(extra="forbid")  # other keys are refused
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, every chunk carries the usage so far
 
 
 class FoveaOptions(BaseModel):
