@@ -187,8 +187,8 @@ def make_responses_router(state: ServerState, store: ResponseStore | None = None
             store.check_fits(turns)
         messages, refs = template_messages(state, req.instructions, turns)
         images = await load_image_bytes(state, refs)
-        prompt, _ = await state.preprocessor.prompts(render_chat(state.loaded, messages, tools and tools.tools), images,
-                                                     options=EncodeOptions(low_detail=low_detail(turns)))
+        text = render_chat(state.loaded, messages, tools and tools.tools)
+        prompt, _ = await state.preprocessor.prompts(text, images, options=EncodeOptions(low_detail=low_detail(turns)))
         params = sampling_params(state, SamplingFields(max_tokens=req.max_output_tokens, temperature=req.temperature,
                                                        top_p=req.top_p), prompt)
         params.logprobs = (req.top_logprobs or 0) if req.wants_logprobs else None
