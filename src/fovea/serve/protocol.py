@@ -92,10 +92,12 @@ class ChatMessage(_Strict):
     name: str | None = None  # the participant's name, for chat templates that render it
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
-    # Typed by OpenAI's SDK for assistant messages; fovea's templates have no place for them.
+    # OpenAI's SDK's assistant-message fields (an answer's .model_dump() sends them all, as null);
+    # fovea's templates have no place for them.
     refusal: NullOnly = None
     audio: NullOnly = None
     function_call: NullOnly = None
+    annotations: NullOnly = None
 
 
 class StreamOptions(BaseModel):
