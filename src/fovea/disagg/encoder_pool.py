@@ -205,8 +205,9 @@ class EncoderPool:
             self._spawn(worker)
             self._await_ready(worker)
         except FoveaError as exc:
-            log.error("encode worker %d could not be restarted (tried again in %.0f s): %s", worker.index,
-                      RETRY_FAILED_S, exc)
+            if not self._stopping:  # the pool stopping under a restart ends it; that is no failure
+                log.error("encode worker %d could not be restarted (tried again in %.0f s): %s", worker.index,
+                          RETRY_FAILED_S, exc)
             worker.failed_at = time.monotonic()
         finally:
             worker.restarting = False
