@@ -160,7 +160,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             engine.stop()
-            state.preprocessor.close()
+            state.preprocessor.close(wait=True)
             if pool is not None:
                 pool.stop()
 

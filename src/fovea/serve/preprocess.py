@@ -105,6 +105,9 @@ _WORKER: tuple[PromptCodec, MediaConfig, int | None, str] | None = None
 
 def _init_worker(codec: bytes, recipe_fields: tuple[str, ...], media: MediaConfig, reduce_to: int | None) -> None:
     global _WORKER
+    from fovea.disagg.parent_watch import exit_with_parent
+
+    exit_with_parent()  # a server killed before it could shut the pool down leaves no worker behind
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
     model = pickle.loads(codec)
     _WORKER = (model, media, reduce_to, codec_fingerprint(model, recipe_fields))
@@ -238,7 +241,9 @@ class Preprocessor:
                                       f"{self.fingerprint}; the request was not run")
         return prompt, twin
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Stop the workers; ``wait``: until they have exited (at shutdown: the process may end by
+        the signal that stopped it, without the executor's exit handler sending them away)."""
         if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool.shutdown(wait=wait, cancel_futures=True)
             self.pool = None
