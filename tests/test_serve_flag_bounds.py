@@ -10,6 +10,7 @@ deadline. The cases run a few at a time, and the refusals that need no model cos
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,9 +50,10 @@ class Case:
 @dataclass
 class Outcome:
     ready: bool
-    code: int | None
+    code: int | None  # None: it hung past its deadline
     stderr: str
     seconds: float
+    left_behind: list[str]  # processes of its session still alive after it exited
 
 
 def demo_numbers(demo_model) -> dict[str, int]:
@@ -149,7 +151,7 @@ def cases(n: dict[str, int], busy_port: int) -> list[Case]:
     ]
 
 
-def run_case(case: Case) -> Outcome:
+def run_case(case: Case, scratch: Path) -> Outcome:
     port = [] if "--port" in case.argv else ["--port", str(free_port())]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(fovea.__file__).parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
@@ -157,9 +159,11 @@ def run_case(case: Case) -> Outcome:
             "--dtype", "float32", *port, *case.argv]
     started = time.monotonic()
     deadline = started + (READY_S if case.flag is None else REFUSED_S)
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    ready = False
-    try:
+    # stderr to a file, not a pipe (a child left behind would hold a pipe open); a session of its
+    # own, so that every process it started can be found afterwards.
+    with open(scratch / f"{case.id}.stderr", "w+") as err:
+        process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        ready = False
         while process.poll() is None and time.monotonic() < deadline:
             if case.flag is None and health_ok(int(port[1]) if port else 0):
                 ready = True
@@ -167,12 +171,37 @@ def run_case(case: Case) -> Outcome:
                 break
             time.sleep(0.5)
         seconds = time.monotonic() - started
-        _, stderr = process.communicate(timeout=60 if ready else max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        process.kill()
-        _, stderr = process.communicate()
-        return Outcome(ready, None, stderr + "\n[killed: it hung]", time.monotonic() - started)
-    return Outcome(ready, process.returncode, stderr, seconds)
+        try:
+            code: int | None = process.wait(60 if ready else max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            code = None
+        left = session(process.pid, wait_s=5)
+        for pid in [process.pid, *(int(line.split()[0]) for line in left)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait()
+        err.seek(0)
+        return Outcome(ready, code, err.read(), seconds, left)
+
+
+def session(sid: int, wait_s: float) -> list[str]:
+    """'pid command' of the live processes in session ``sid`` (waiting up to ``wait_s`` for none)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != sid:
+                with contextlib.suppress(OSError):
+                    if os.getsid(int(entry.name)) == sid and "Z" not in stat_state(entry):
+                        command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                        found.append(f"{entry.name} {command[:160]}")
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.25)
+
+
+def stat_state(entry: Path) -> str:
+    return (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def health_ok(port: int) -> bool:
@@ -209,14 +238,15 @@ def all_cases(numbers, busy_port) -> dict[str, Case]:
 
 
 @pytest.fixture(scope="module")
-def outcomes(request, all_cases):
+def outcomes(request, all_cases, tmp_path_factory):
     """Every selected case started at once, a few at a time: {id: Future[Outcome]}."""
     wanted = {item.callspec.params["case_id"] for item in request.session.items
               if item.module is request.module and "case_id" in getattr(getattr(item, "callspec", None), "params", {})}
     with ThreadPoolExecutor(AT_ONCE) as pool:
         # The servers first: they take longest.
         order = sorted((c for c in all_cases.values() if c.id in wanted), key=lambda c: c.flag is not None)
-        futures: dict[str, Future[Outcome]] = {c.id: pool.submit(run_case, c) for c in order}
+        scratch = tmp_path_factory.mktemp("serve-bounds")
+        futures: dict[str, Future[Outcome]] = {c.id: pool.submit(run_case, c, scratch) for c in order}
         yield futures
         for future in futures.values():
             future.cancel()
@@ -233,6 +263,7 @@ def test_a_flag_at_or_past_its_boundary_serves_or_is_refused_in_one_line(case_id
     lines = outcome.stderr.strip().splitlines()
     assert "Traceback" not in outcome.stderr, outcome.stderr[-3000:]
     assert outcome.code is not None, f"{case.id} hung:\n{outcome.stderr[-3000:]}"
+    assert outcome.left_behind == [], f"{case.id} left processes behind: {outcome.left_behind}"
     if case.flag is None:
         errors = [line for line in lines if is_log_record(line) and json.loads(line)["level"] in ("error", "critical")]
         assert outcome.ready, f"{case.id} exited {outcome.code} before it was ready:\n{outcome.stderr[-3000:]}"
