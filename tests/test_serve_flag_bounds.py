@@ -93,7 +93,7 @@ def cases(n: dict[str, int], busy_port: int) -> list[Case]:
         Case("pd-smallest", (*e_pd, "--pd-workers", "1", "--encode-workers", "1", "--pd-timeout", "1",
                              "--max-model-len", str(need))),
         # ---- past them: argparse --------------------------------------------------------------
-        *[Case(f"{flag}={value}", (flag, value), flag, f"argument {flag}: {says}") for flag, value, says in [
+        *[Case(f"{flag}={value}", (flag, value), flag, says) for flag, value, says in [
             ("--port", "0", "must be at least 1"), ("--port", "65536", "must be a TCP port"),
             ("--max-model-len", "0", "must be at least 1"), ("--kv-cache-memory", "0", "must be at least 1 byte"),
             ("--gpu-memory-utilization", "0", "must be above 0"), ("--gpu-memory-utilization", "1.5", "at most 1"),
@@ -146,7 +146,7 @@ def cases(n: dict[str, int], busy_port: int) -> list[Case]:
              f"use --kv-cache-memory {-(-blocks * per_block // 1024)}KiB or more"),
         Case("kv-cache-past-host", ("--kv-cache-memory", str(2 * (host_available_bytes() or 2**50))),
              "--kv-cache-memory", "is more than this host has available"),
-        Case("encode-timeout-too-short", (*e_pd, "--encode-timeout", "0.000001"), "--encode-timeout",
+        Case("encode-timeout-too-short", (*e_pd, "--encode-timeout", "0.001"), "--encode-timeout",
              "the grounding canary could not run at start-up"),
     ]
 
@@ -274,6 +274,7 @@ def test_a_flag_at_or_past_its_boundary_serves_or_is_refused_in_one_line(case_id
     refusal = other[-1] if other else ""
     if refusal.startswith("fovea serve: error: argument"):  # argparse: its usage block, then the line
         assert other[0].startswith("usage: fovea serve") and all(line.startswith(" ") for line in other[1:-1])
+        assert refusal.startswith(f"fovea serve: error: argument {case.flag}: "), refusal
     else:
         assert refusal.startswith("fovea: error: ") and len(other) == 1, outcome.stderr[-3000:]
     assert case.flag in refusal and case.says in refusal, refusal
