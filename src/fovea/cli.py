@@ -284,9 +284,17 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     # Python's default 5 ms switch interval.
     sys.setswitchinterval(float(os.environ.get("FOVEA_SWITCH_INTERVAL_MS", "1")) / 1000)
     app = create_app(settings)
-    # log_config=None: keep fovea's handlers (fovea.logs), which carry the request ids.
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level.lower(), log_config=None,
-                **uvicorn_options())
+    try:
+        # log_config=None: keep fovea's handlers (fovea.logs), which carry the request ids.
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level.lower(), log_config=None,
+                    **uvicorn_options())
+    except SystemExit:  # uvicorn's exit when the app could not start: a refusal is printed in one line
+        from fovea.serve.startup_checks import startup_refusal
+
+        refusal = startup_refusal(app.state)
+        if refusal is not None:
+            raise refusal from None
+        raise
     return 0
 
 

@@ -52,7 +52,7 @@ class FramedChannel:
         try:
             if not self.conn.poll(timeout):
                 self._hung()
-                raise WorkerLost(f"did not answer within {timeout:.1f} s")
+                raise WorkerLost(f"did not answer within {timeout:g} s (--encode-timeout)")
             reply = self.conn.recv_bytes()
         except (EOFError, OSError) as exc:
             raise WorkerLost(f"died ({type(exc).__name__})") from exc

@@ -103,6 +103,7 @@ class EncoderPool:
         self.model_dir = str(model_dir)
         self.model_id, self.recipe_fingerprint, self.hidden = model_id, recipe_fingerprint, hidden
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self._last_lost: str | None = None  # why a worker was last lost in a batch (the refusal says it)
         self.batch_images = batch_images  # the engine's vision batch: what each worker plans its peak for
         if encoder_addresses:
             from fovea.disagg.socket_channel import SocketChannel
@@ -205,8 +206,9 @@ class EncoderPool:
             self._spawn(worker)
             self._await_ready(worker)
         except FoveaError as exc:
-            log.error("encode worker %d could not be restarted (tried again in %.0f s): %s", worker.index,
-                      RETRY_FAILED_S, exc)
+            if not self._stopping:  # the pool stopping under a restart ends it; that is no failure
+                log.error("encode worker %d could not be restarted (tried again in %.0f s): %s", worker.index,
+                          RETRY_FAILED_S, exc)
             worker.failed_at = time.monotonic()
         finally:
             worker.restarting = False
@@ -258,7 +260,7 @@ class EncoderPool:
         reply_bytes = sum(aligned(image.num_tokens * self.hidden * itemsize) for image in images)
         tried: set[int] = set()
         deadline = time.monotonic() + 2 * self.timeout_s
-        last = "no encode worker is ready"
+        last = "no encode worker is ready" + (f" (the last loss: {self._last_lost})" if self._last_lost else "")
         while len(tried) < 2 and time.monotonic() < deadline:
             worker = self._choose(tried)
             if worker is None:
@@ -280,7 +282,7 @@ class EncoderPool:
                 timing = {**getattr(worker.channel, "last_timing", {}), "land_s": time.perf_counter() - landing,
                           "land_wait_s": landed.get("wait_s", 0.0)}
             except WorkerLost as lost:
-                last = f"worker {worker.index} {lost}"
+                last = self._last_lost = f"worker {worker.index} {lost}"
                 worker.state = "dead"  # not chosen again until the restart has it ready
                 worker.lock.release()
                 self._begin_restart(worker, str(lost))

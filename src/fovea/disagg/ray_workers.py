@@ -84,7 +84,7 @@ class RayChannel:
         try:
             return self.ray.get(ref, timeout=timeout)
         except self.ray.exceptions.GetTimeoutError as exc:
-            raise WorkerLost(f"did not answer within {timeout:.1f} s") from exc
+            raise WorkerLost(f"did not answer within {timeout:g} s (--encode-timeout)") from exc
         except self.ray.exceptions.RayActorError as exc:
             raise WorkerLost(f"died ({type(exc).__name__})") from exc
 

@@ -31,7 +31,7 @@ from fovea.serve.metrics import Metrics
 from fovea.serve.playground_route import make_playground_router
 from fovea.serve.request_gate import RequestGate
 from fovea.serve.responses import make_responses_router
-from fovea.serve.startup_checks import fit_canary_to_engine
+from fovea.serve.startup_checks import QuietStartupRefusal, StartupRefused, fit_canary_to_engine, refuse_at_startup
 from fovea.serve.state import ServerState
 from fovea.serve.tokenize import make_tokenize_router
 from fovea.serve.trailing_slash import StripTrailingSlash
@@ -143,10 +143,14 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
         task = None
         try:
             if settings.canary:
-                await run_canary()
+                try:
+                    await run_canary()
+                except FoveaError as exc:  # e.g. encode workers that cannot answer within --encode-timeout
+                    raise refuse_at_startup(app.state, StartupRefused(
+                        f"the grounding canary could not run at start-up: {exc.message}")) from None
                 if settings.strict and not state.canary.last.ok:
-                    raise CanaryFailed("--strict: the grounding canary failed at start-up: "
-                                       + "; ".join(state.canary.last.reasons))
+                    raise refuse_at_startup(app.state, CanaryFailed(
+                        "--strict: the grounding canary failed at start-up: " + "; ".join(state.canary.last.reasons)))
                 if settings.canary_interval_s > 0:
                     task = asyncio.create_task(canary_loop())
             yield
@@ -156,7 +160,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             engine.stop()
-            state.preprocessor.close()
+            state.preprocessor.close(wait=True)
             if pool is not None:
                 pool.stop()
 
@@ -164,6 +168,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     app.state.fovea = state
     install_error_handlers(app, on_error_code=metrics.observe_error_code)
 
+    app.add_middleware(QuietStartupRefusal, state=app.state)
     app.add_middleware(RequestGate, api_key=settings.api_key,
                        count=lambda route, status: metrics.requests.labels(route=route, status=str(status)).inc())
 

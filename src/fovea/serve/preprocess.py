@@ -246,7 +246,9 @@ class Preprocessor:
                                       f"{self.fingerprint}; the request was not run")
         return prompt, twin
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
+        """Stop the workers; ``wait``: until they have exited (at shutdown: the process may end by
+        the signal that stopped it, without the executor's exit handler sending them away)."""
         if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool.shutdown(wait=wait, cancel_futures=True)
             self.pool = None

@@ -3,14 +3,16 @@
 ``check_before_load`` runs before a byte of the weights is read (a PD front runs it too, and
 imports no torch for it unless a check needs the model's processor): the port, a GPU share
 on a host engine, and the grounding canary against ``--max-model-len`` and the image limits.
-``fit_canary_to_engine`` runs once the engine knows what the KV cache holds per sequence.
+``fit_canary_to_engine`` runs once the engine knows what the KV cache holds per sequence, and
+what only the start-up canary's run can find (encode workers that never answer within
+``--encode-timeout``; ``--strict`` and a failing canary) is refused the same way.
 """
 
 from __future__ import annotations
 
 import errno
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fovea.config import ServerSettings
 from fovea.errors import FoveaError
@@ -103,3 +105,34 @@ def too_short(what: str, exc: CanaryTooLong, fix: str) -> str:
     return (f"{what} is too small for this model: the grounding canary needs {exc.need} tokens per sequence (its "
             f"prompt is {small.prompt_tokens} tokens, {small.image_tokens} of them its image's, and it reads at least "
             f"one answer token) and this server holds {exc.limit}; {fix}, or pass --no-canary")
+
+
+# ---- refusals found while the app starts (the start-up canary) ---------------------------------
+def refuse_at_startup(state: Any, error: FoveaError) -> FoveaError:
+    """Record ``error`` as why the app could not start (raise what this returns from the lifespan):
+    uvicorn then logs no traceback, and the CLI prints the refusal in one line and exits 2."""
+    state.startup_refusal = error
+    return error
+
+
+def startup_refusal(state: Any) -> FoveaError | None:
+    return getattr(state, "startup_refusal", None)
+
+
+class QuietStartupRefusal:
+    """ASGI middleware: a start-up that failed with a recorded refusal reaches uvicorn without
+    the traceback text Starlette attaches (uvicorn would log it whole)."""
+
+    def __init__(self, app: Any, state: Any) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def quiet(message: dict) -> None:
+            if message["type"] == "lifespan.startup.failed" and startup_refusal(self.state) is not None:
+                message = {**message, "message": ""}
+            await send(message)
+
+        await self.app(scope, receive, quiet)
