@@ -34,6 +34,7 @@ from fovea.media.formats import (
     sniff_unsupported,
     webp_canvas_size,
 )
+from fovea.media.heap import release_free_memory
 from fovea.media.pixels import to_rgb
 
 MiB = 1024 * 1024
@@ -53,6 +54,14 @@ def decode_image_bytes(data: bytes, config: MediaConfig, reduce_to: int | None =
     processor's own resize then does the rest; the two-step result differs from the one-step
     one by rounding (tests/media/test_media_reduce.py measures it).
     """
+    image, decoded_pixels = _decode(data, config, reduce_to)
+    if decoded_pixels > config.large_image_pixels:
+        release_free_memory()  # the full-size pixels are freed by now (see media/heap.py)
+    return image
+
+
+def _decode(data: bytes, config: MediaConfig, reduce_to: int | None) -> tuple[Image.Image, int]:
+    """(the image, how many pixels were decoded to make it)."""
     check_byte_size(len(data), config)
     if not data:
         raise MalformedImage("The image is empty (0 bytes); send the file's contents.")
@@ -69,7 +78,7 @@ def decode_image_bytes(data: bytes, config: MediaConfig, reduce_to: int | None =
         _load_strict(im)
         check_pixels(im.size, config)  # a GIF's first frame may extend its logical screen
         rgb = to_rgb(_upright(im), config.background)
-        return _reduce(rgb, target) if target else rgb
+        return (_reduce(rgb, target) if target else rgb), im.size[0] * im.size[1]
     except FoveaError:
         raise
     except Image.DecompressionBombError as exc:
