@@ -68,6 +68,7 @@ class Served:
     process: subprocess.Popen
     log: Path
     api_key: str = field(init=False)
+    ready: bool = False
 
     def __post_init__(self) -> None:
         self.api_key = self.setup.api_key or "unused"
@@ -89,8 +90,52 @@ class Served:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def start(setup: Setup, model: str, model_dir: Path | None, logs: Path, canary: bool) -> Served:
-    """Start ``fovea serve`` with ``setup``'s flags; return once it (and any PD worker) is ready."""
+Key = tuple[str, str]  # (set-up id, "demo" | "byte")
+
+
+class Fleet:
+    """Starts each (set-up, model) server once, and the next ones in the tests' order ahead of
+    time: a start (imports, model load, canary; 10 to 40 s on 2 cores, most of it one core's
+    work) overlaps the tests that run before the server is needed."""
+
+    def __init__(self, order: list[Key], model_dirs: dict[str, Path | None], logs: Path, ahead: int = 1) -> None:
+        self.order, self.model_dirs, self.logs, self.ahead = order, model_dirs, logs, ahead
+        self.setups = {s.id: s for s in SETUPS}
+        self.launched: dict[Key, Served] = {}
+        self.retired: set[Key] = set()
+
+    def get(self, setup: Setup, model: str) -> Served:
+        key = (setup.id, model)
+        position = self.order.index(key) if key in self.order else len(self.order)
+        for following in [key, *self.order[position + 1:position + 1 + self.ahead]]:
+            self._launch(following)
+        served = self.launched[key]
+        try:
+            _wait_ready(served)
+        except BaseException:
+            stop([served])
+            raise
+        return served
+
+    def retire(self, setup: Setup) -> None:
+        """Stop ``setup``'s servers: pytest has run every test that uses them."""
+        keys = [k for k in self.launched if k[0] == setup.id and k not in self.retired]
+        self.retired.update(keys)
+        stop([self.launched[k] for k in keys])
+
+    def close(self) -> None:
+        keys = [k for k in self.launched if k not in self.retired]
+        self.retired.update(keys)
+        stop([self.launched[k] for k in keys])
+
+    def _launch(self, key: Key) -> None:
+        if key not in self.launched and key not in self.retired:
+            setup, model = self.setups[key[0]], key[1]
+            self.launched[key] = spawn(setup, model, self.model_dirs[model], self.logs, canary=model == "demo")
+
+
+def spawn(setup: Setup, model: str, model_dir: Path | None, logs: Path, canary: bool) -> Served:
+    """Start ``fovea serve`` with ``setup``'s flags, without waiting for it."""
     port = free_port()
     log = logs / f"{setup.id}-{model}.log"
     source = str(Path(fovea.__file__).parents[1])  # this checkout's fovea, in the child too
@@ -101,16 +146,13 @@ def start(setup: Setup, model: str, model_dir: Path | None, logs: Path, canary: 
                *(["--canary-interval", "0"] if canary else ["--no-canary"]), *setup.args(model)]
     with log.open("w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    served = Served(f"http://127.0.0.1:{port}", setup, process, log)
-    try:
-        _wait_ready(served)
-    except BaseException:
-        stop(served)
-        raise
-    return served
+    return Served(f"http://127.0.0.1:{port}", setup, process, log)
 
 
 def _wait_ready(served: Served) -> None:
+    """Return once /health is ok (and every PD worker ready); raise with the log's end if not."""
+    if served.ready:
+        return
     deadline, last = time.monotonic() + START_TIMEOUT_S, "no answer"
     while time.monotonic() < deadline:
         if served.process.poll() is not None:
@@ -123,6 +165,7 @@ def _wait_ready(served: Served) -> None:
         else:
             workers = body.get("pd_workers") or []
             if body.get("status") == "ok" and all(w.get("state") == "ready" for w in workers):
+                served.ready = True
                 return
             last = f"status {body.get('status')}, reasons {body.get('reasons')}"
         time.sleep(0.2)
@@ -130,10 +173,12 @@ def _wait_ready(served: Served) -> None:
                        + served.tail())
 
 
-def stop(served: Served) -> None:
-    """SIGTERM (the server drains and its workers follow it), SIGKILL if it hangs."""
-    if served.process.poll() is None:
+def stop(servers: list[Served]) -> None:
+    """SIGTERM to all (each drains, its workers follow it), then wait; SIGKILL one that hangs."""
+    running = [s for s in servers if s.process.poll() is None]
+    for served in running:
         served.process.send_signal(signal.SIGTERM)
+    for served in running:
         try:
             served.process.wait(60)
         except subprocess.TimeoutExpired:
