@@ -142,7 +142,7 @@ def probe_7b_vocab() -> None:
     t1 = time.perf_counter()
     grammar = grammars.get_now(GrammarSpec("regex", "[a-z]+", "probe"))
     t2 = time.perf_counter()
-    matcher, mask = xgr.GrammarMatcher(grammar), xgr.allocate_token_bitmask(1, qwen.EMBEDDING_ROWS)
+    matcher, mask = xgr.GrammarMatcher(grammar.compiled), xgr.allocate_token_bitmask(1, qwen.EMBEDDING_ROWS)
     words = [tokenizer.convert_tokens_to_ids(w) for w in qwen.vocabulary(qwen.FIRST_SPECIAL)[8:108]]
     t3 = time.perf_counter()
     for token in words:

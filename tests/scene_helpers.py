@@ -59,7 +59,10 @@ def start_server(settings: ServerSettings, loaded: LoadedModel) -> tuple[LiveSer
     from fovea.serve.http_protocol import uvicorn_options
 
     app = create_app(settings, loaded=loaded)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", **uvicorn_options())
+    # log_config=None, as the CLI runs it: uvicorn's records propagate to pytest's capture (caplog)
+    # instead of to a stream handler of uvicorn's own.
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", log_config=None,
+                            **uvicorn_options())
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

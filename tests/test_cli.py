@@ -20,6 +20,20 @@ def test_chat_prints_the_answer(tmp_path):
     assert result.stdout.strip() == scenes.describe_answer(scene)
 
 
+def test_chat_without_max_tokens_follows_the_max_model_len(tmp_path):
+    """The default answer length is what --max-model-len leaves after the prompt, not the model's
+    context; a prompt that leaves nothing is refused naming the prompt."""
+    path = tmp_path / "scene.png"
+    scenes.render(scenes.SceneSampler().sample(random.Random(77_002))).save(path)
+    result = run_cli("chat", "--max-model-len", "120", "--image", str(path), "Describe the image.")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    result = run_cli("chat", "--max-model-len", "40", "--image", str(path), "Describe the image.")
+    assert result.returncode == 2
+    assert "the prompt has" in result.stderr and "limit is 40 tokens per sequence" in result.stderr
+    assert "max_tokens" not in result.stderr
+
+
 def test_chat_refuses_a_broken_image_and_a_bad_model_dir(tmp_path):
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"\x89PNG\r\n\x1a\n not really")

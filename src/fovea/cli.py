@@ -22,7 +22,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else positive_int(text)
+    try:
+        return 0 if text.strip() == "0" else positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}") from None
 
 
 def _non_negative_float(text: str) -> float:
@@ -120,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--exact-image-resize", action="store_true",
                        help="give the processor every pixel of large images (default: images four times the "
                             "model's input are reduced to about twice it first, JPEGs while decoding)")
-    serve.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests beyond this get 429")
+    serve.add_argument("--max-queue", type=positive_int, default=None,
+                       help="waiting requests beyond this get 429 with Retry-After before any response starts "
+                            "(default: no limit, as in vLLM)")
     serve.add_argument("--limit-images-per-prompt", type=_non_negative_int, default=4)
     serve.add_argument("--max-body-bytes", type=byte_size, default=32 * 1024 * 1024)
     serve.add_argument("--api-key", default=os.environ.get("FOVEA_API_KEY"),
@@ -159,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=positive_int, default=None)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
+    _memory_args(chat)
     chat.add_argument("question")
 
     doctor = sub.add_parser("doctor", help="check the machine (and model) for what silently breaks VLM serving")
@@ -215,6 +221,8 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     media_kwargs = {}
     if args.max_image_bytes is not None:
         media_kwargs["max_image_bytes"] = args.max_image_bytes
+        # The upload store holds at least one image of the largest size accepted (as for videos).
+        media_kwargs["store_max_bytes"] = max(MediaConfig().store_max_bytes, args.max_image_bytes)
     if args.max_image_pixels is not None:
         media_kwargs["max_image_pixels"] = args.max_image_pixels
     if args.decode_memory is not None:
@@ -257,6 +265,10 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         )
     except ValueError as exc:  # a combination of flags that cannot work: one line, no traceback
         raise FoveaError(str(exc)) from None
+    if not pd_worker:  # its front checked these
+        from fovea.serve.startup_checks import check_before_load
+
+        check_before_load(settings, front=bool(settings.pd_workers))
     if settings.pd_workers:
         from fovea.front.app import run_front
 
@@ -294,7 +306,7 @@ def doctor(args: argparse.Namespace) -> int:
 
 def chat(args: argparse.Namespace) -> int:
     from fovea.engine.paged import PagedEngine, PagedEngineConfig
-    from fovea.engine.request import ErrorEvent, FinishEvent
+    from fovea.engine.request import ErrorEvent, FinishEvent, default_max_tokens
     from fovea.engine.sampling import SamplingParams
     from fovea.media import decode_image_bytes
     from fovea.media.config import MediaConfig
@@ -312,11 +324,14 @@ def chat(args: argparse.Namespace) -> int:
         images.append(decode_image_bytes(data, media))
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.question}]
     prompt = encode_prompt(loaded, render_chat(loaded, [{"role": "user", "content": content}]), images)
-    room = loaded.context_length - len(prompt.input_ids)
-    params = SamplingParams(max_tokens=args.max_tokens or max(1, room), temperature=args.temperature, seed=args.seed)
 
     async def run() -> str:
-        engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=1))
+        engine = PagedEngine(loaded, PagedEngineConfig(
+            max_num_seqs=1, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len))
+        # No --max-tokens: what the engine's per-sequence limit leaves after the prompt (as the server does).
+        max_tokens = args.max_tokens or default_max_tokens(len(prompt.input_ids), engine.max_context)
+        params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed)
         engine.start()
         try:
             async for event in engine.generate(prompt, params):

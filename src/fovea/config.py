@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,9 @@ class ServerSettings:
     # Processes that decode images and run the model's processor (None or 0: this process's
     # threads, measured faster on the H200 machine; serve/preprocess.py, docs/benchmarks.md).
     preprocess_workers: int | None = None
-    max_queue: int = 256
+    # Requests waiting for the engine beyond this get 429 before any response starts; None:
+    # unbounded, as in vLLM and SGLang (docs/operations.md says what a waiting request holds).
+    max_queue: int | None = None
     limit_images_per_prompt: int = 4
     max_body_bytes: int = 32 * 1024 * 1024
     api_key: str | None = None
@@ -93,7 +97,7 @@ class ServerSettings:
             if self.topology != "e_pd":
                 raise ValueError("--pd-workers runs prefill/decode workers that share encode workers: it needs "
                                  "--topology e_pd")
-            if self.pd_timeout_s is not None and self.pd_timeout_s <= 0:
+            if self.pd_timeout_s is not None and not 0 < self.pd_timeout_s < math.inf:  # nan too
                 raise ValueError("--pd-timeout must be a positive number of seconds")
             if self.pd_workers < 1:
                 raise ValueError("--pd-workers must be at least 1")
@@ -103,7 +107,7 @@ class ServerSettings:
         if self.encode_addresses and (self.topology != "e_pd" or self.ray_address is not None):
             raise ValueError("shared encode workers (a PD worker behind a front) need --topology e_pd without "
                              "--ray-address")
-        if self.encode_timeout_s is not None and self.encode_timeout_s <= 0:
+        if self.encode_timeout_s is not None and not 0 < self.encode_timeout_s < math.inf:
             raise ValueError("--encode-timeout must be a positive number of seconds")
         if self.engine != "paged":
             raise ValueError(f"--engine must be 'paged', not {self.engine!r}")
@@ -111,7 +115,7 @@ class ServerSettings:
             raise ValueError("--vision-batch-size must be at least 1")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError("--max-batch-size must be at least 1")
-        if self.max_queue < 1:
+        if self.max_queue is not None and self.max_queue < 1:
             raise ValueError("--max-queue must be at least 1")
         if self.max_batched_tokens is not None and self.max_batched_tokens < 1:
             raise ValueError("--max-batched-tokens must be at least 1")
@@ -124,7 +128,7 @@ class ServerSettings:
             raise ValueError("--limit-images-per-prompt must be 0 or more")
         if self.max_body_bytes < 1024:
             raise ValueError("--max-body-bytes must be at least 1024")
-        if self.canary_interval_s < 0:
+        if not self.canary_interval_s >= 0:  # nan too
             raise ValueError("--canary-interval must be 0 (start-up only) or a positive number of seconds")
         if self.strict and not self.canary:
             raise ValueError("--strict needs the canary; drop --no-canary")
@@ -135,3 +139,19 @@ class ServerSettings:
             raise ValueError("--kv-cache-memory must be a positive number of bytes")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("--max-model-len must be at least 1")
+        cores = usable_cores()
+        local_encoders = self.encode_workers if self.ray_address is None else None  # Ray's actors run elsewhere
+        for flag, count in (("--encode-workers", local_encoders), ("--pd-workers", self.pd_workers),
+                            ("--preprocess-workers", self.preprocess_workers)):
+            if count is not None and count > cores:
+                raise ValueError(f"{flag} {count} is more than this machine's {cores} CPU cores: each worker is a "
+                                 f"process of its own, and more than one a core only makes them wait for each "
+                                 f"other; use at most {cores}")
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

@@ -86,19 +86,31 @@ class StderrHandler(logging.StreamHandler):
 
 
 def configure(level: str = "info", fmt: str = "text", who: str | None = None, stream: Any = None) -> None:
-    """Set up the root logger (and uvicorn's, which fovea's access lines replace) once per process."""
+    """Set up the root logger (and uvicorn's, which fovea's access lines replace).
+
+    A second call replaces the handler the first one added; handlers that fovea did not add stay
+    (a host program's own, or pytest's capture, which ``caplog`` reads)."""
     formatter = JsonFormatter(who) if fmt == "json" else TextFormatter(who)
     handler = logging.StreamHandler(stream) if stream is not None else StderrHandler()
     handler.setFormatter(formatter)
     handler.addFilter(RequestIdFilter())
+    handler._fovea = True  # type: ignore[attr-defined]
+    unconfigure()
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.addHandler(handler)
     root.setLevel(level.upper())
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
     logging.getLogger("uvicorn.access").disabled = True  # fovea.access has the id, the route and the code
     quiet_progress_unless_tty()
+
+
+def unconfigure() -> None:
+    """Remove the handler ``configure`` added, and nothing else (a test that ran the CLI in-process
+    is done with it)."""
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if not getattr(h, "_fovea", False)]
 
 
 def quiet_progress_unless_tty() -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
@@ -87,3 +90,50 @@ def test_the_default_handler_writes_to_the_stderr_of_the_moment(monkeypatch):
         root.setLevel(level)
     written = second.getvalue()
     assert "INFO fovea.test: after" in written and "Logging error" not in written and "before" not in written
+
+
+def test_caplog_sees_a_live_servers_access_lines_after_the_cli_configured_logging(live_server, caplog):
+    """``fovea.cli.main`` run in-process calls ``logs.configure``; pytest's capture handler stays."""
+    logs.configure("info", "text", stream=io.StringIO())
+    caplog.set_level(logging.INFO, logger="fovea.access")
+    response = httpx.post(live_server.base_url + "/tokenize", json={"prompt": "hi", "x-unknown": 1}, timeout=30)
+    assert response.status_code == 400
+    # The line is written once the response has gone out: wait for it, within a deadline.
+    deadline = time.monotonic() + 10
+    while not (mine := [r for r in caplog.records if r.name == "fovea.access" and r.path == "/tokenize"]):
+        assert time.monotonic() < deadline, "no fovea.access record reached caplog"
+        time.sleep(0.01)
+    assert mine[0].status == 400 and mine[0].request_id == response.headers["x-request-id"]
+
+
+INNER_CONFTEST = """
+import logging
+from fovea.testing.quiet_logs import logging_left_as_found  # noqa: F401
+
+def pytest_runtest_logreport(report):
+    # What a server thread does after a test: log while pytest draws its progress line.
+    if report.when == "teardown":
+        logging.getLogger("fovea.access").warning("LEAKED-%s", report.nodeid.rsplit("::", 1)[-1])
+"""
+
+INNER_TESTS = """
+from fovea import logs
+
+def test_runs_the_cli_in_process():
+    logs.configure("info", "text")
+
+def test_after_it():
+    pass
+"""
+
+
+def test_fovea_lines_stay_off_pytests_progress_line(tmp_path):
+    """A test that configured logging in-process leaves no handler that writes onto the terminal
+    between tests (pytest's capture is suspended there)."""
+    (tmp_path / "conftest.py").write_text(INNER_CONFTEST)
+    (tmp_path / "test_inner.py").write_text(INNER_TESTS)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 passed" in result.stdout
+    assert "LEAKED" not in result.stdout + result.stderr, result.stdout + result.stderr

@@ -188,6 +188,12 @@ def test_the_front_loads_no_model(front):
 def test_the_api_key_guards_the_front_and_the_workers_ports(front):
     assert httpx.get(front.base + "/v1/models", timeout=30).status_code == 401
     assert httpx.get(front.base + "/v1/models", headers=AUTH, timeout=30).json()["data"][0]["id"] == "fovea-shapes"
+    # OpenAI's "retrieve model", passed through to a worker, behind the same key.
+    assert httpx.get(front.base + "/v1/models/fovea-shapes", timeout=30).status_code == 401
+    one = httpx.get(front.base + "/v1/models/fovea-shapes", headers=AUTH, timeout=30)
+    assert one.status_code == 200 and one.json()["id"] == "fovea-shapes" and one.json()["object"] == "model"
+    other = httpx.get(front.base + "/v1/models/gpt-4o", headers=AUTH, timeout=30)
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     body = httpx.get(front.base + "/health", timeout=30).json()  # open, as the single server's is
     for worker in body["pd_workers"]:
         direct = f"http://127.0.0.1:{worker['port']}/v1/models"

@@ -19,7 +19,7 @@ from fovea.engine.paged.engine import PagedEngine
 from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.engine.structured.bitmask import apply_grammar_masks_
-from fovea.engine.structured.compiler import GrammarCompiler
+from fovea.engine.structured.compiler import Grammar, GrammarCompiler
 from fovea.engine.structured.matcher import GrammarState
 from fovea.engine.structured.spec import GrammarSpec, StructuredOutputError
 from fovea.model.loader import load_model
@@ -178,17 +178,18 @@ def test_json_object_ends(tmp_path):
 
 
 def test_a_dead_end_fails_only_its_request(demo_model):
-    """The demo's word-level vocabulary can begin "red circle" but has no space token to go on:
-    that request fails with structured_output_failed; a free-text one beside it is answered."""
+    """A row whose mask is left empty (a dead-end search that ran out of steps, here switched off
+    for a grammar the demo's words can begin, "red", but not finish: no space token) fails that
+    request alone with structured_output_failed; a free-text one beside it is answered."""
     rows = demo_model.model.get_output_embeddings().weight.shape[0]
     grammars = GrammarCompiler(demo_model.tokenizer, rows, sorted(demo_model.eos_token_ids))
+    unchecked = Grammar(grammars._compile_source(GrammarSpec.choice(["red circle"], "c")), rows, dead_ends=False)
     engine = PagedEngine(demo_model, PagedEngineConfig(num_blocks=64))
     engine.start()
     try:
         text = demo_model.codec.render([{"role": "user", "content": "how many shapes are there ?"}])
         p = demo_model.codec.encode(text, [])
-        dead = SamplingParams(max_tokens=8, temperature=0,
-                              grammar=grammars.get_now(GrammarSpec.choice(["red circle"], "c")))
+        dead = SamplingParams(max_tokens=8, temperature=0, grammar=unchecked)
 
         async def both():
             return await asyncio.gather(run(engine, p, dead), run(engine, p, SamplingParams(max_tokens=8,

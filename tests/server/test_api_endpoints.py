@@ -42,6 +42,16 @@ def test_head_metrics_is_get_without_a_body(http):
     assert int(head.headers["content-length"]) > 0
 
 
+def test_retrieve_model_is_the_entry_of_the_list(http, client, assert_error):
+    listed = http.get("/v1/models").json()["data"][0]
+    one = http.get("/v1/models/fovea-shapes")
+    assert one.status_code == 200 and one.json() == listed
+    assert client.models.retrieve("fovea-shapes").id == "fovea-shapes"  # the openai client's own call
+    for name in ("gpt-4o", "org/fovea-shapes"):  # another name, with a slash too
+        error = assert_error(http.get(f"/v1/models/{name}"), 404, "model_not_found")
+        assert name in error["message"] and "fovea-shapes" in error["message"]
+
+
 def test_tokenize_messages_counts_image_tokens_as_chat_does(http, client, demo_model):
     body = http.post("/tokenize", json={"model": "fovea-shapes", "messages": MESSAGES}).json()
     reply = client.chat.completions.create(model="fovea-shapes", messages=MESSAGES, max_tokens=1)
@@ -62,6 +72,25 @@ def test_tokenize_prompt_matches_completions(http, client):
     assert text_only["count"] == len(text_only["tokens"]) > 0
 
 
+def test_tokenize_add_special_tokens_reads_as_each_endpoint_does(http, demo_model):
+    """The demo's tokenizer adds a BOS, and its chat template writes one: a prompt has it unless
+    add_special_tokens is false; messages get a second one only with true."""
+    bos = demo_model.tokenizer.bos_token_id
+    assert bos is not None
+
+    def tokens(**body) -> list[int]:
+        reply = http.post("/tokenize", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["tokens"]
+
+    prompt = tokens(prompt=PROMPT, images=[URL])
+    assert prompt[0] == bos and prompt == tokens(prompt=PROMPT, images=[URL], add_special_tokens=True)
+    assert tokens(prompt=PROMPT, images=[URL], add_special_tokens=False) == prompt[1:]
+    chat = tokens(messages=MESSAGES)
+    assert chat[0] == bos and chat[1] != bos and chat == tokens(messages=MESSAGES, add_special_tokens=False)
+    assert tokens(messages=MESSAGES, add_special_tokens=True) == [bos, *chat]
+
+
 def test_detokenize_round_trips(http):
     tokens = http.post("/tokenize", json={"prompt": "red circle and blue square"}).json()["tokens"]
     text = http.post("/detokenize", json={"model": "fovea-shapes", "tokens": tokens}).json()["prompt"]
@@ -71,7 +100,9 @@ def test_detokenize_round_trips(http):
 @pytest.mark.parametrize(("path", "body", "status", "code", "param"), [
     ("/tokenize", {}, 400, "invalid_request", None),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "invalid_request", None),
-    ("/tokenize", {"prompt": "a", "add_special_tokens": False}, 400, "unsupported_parameter", "add_special_tokens"),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": False}, 400, "unsupported_parameter",
+     "add_generation_prompt"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, 400, "invalid_request", "add_special_tokens"),
     ("/tokenize", {"prompt": "a", "model": "gpt-4o"}, 404, "model_not_found", "model"),
     ("/tokenize", {"prompt": PROMPT, "images": []}, 400, "image_placeholder_mismatch", None),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "invalid_request", "tokens[1]"),

@@ -245,6 +245,21 @@ def _fovea(post, ep):
     refused(post(ep, fovea={"grounding": True}, n=2), "n", code="invalid_request")  # it scores one answer
 
 
+def _add_special_tokens(post, ep):
+    """The demo's tokenizer adds a BOS and its template writes one: completions lose it with
+    false, chat gets a second one with true; unset is each endpoint's default."""
+    def prompt_tokens(**extra) -> int:
+        return ok(post(ep, max_tokens=1, **extra))["usage"]["prompt_tokens"]
+    default = prompt_tokens()
+    if ep == fields.CHAT:
+        assert prompt_tokens(add_special_tokens=True) == default + 1
+        assert prompt_tokens(add_special_tokens=False) == default
+    else:
+        assert prompt_tokens(add_special_tokens=False) == default - 1
+        assert prompt_tokens(add_special_tokens=True) == default
+    refused(post(ep, add_special_tokens="no"), "add_special_tokens", code="invalid_request")
+
+
 def _unsatisfiable(name, value):
     def check(post, ep):  # the demo model's word-level vocabulary cannot spell JSON: refused, not ignored
         refused(post(ep, **{name: value}), name, code="grammar_unsatisfiable")
@@ -281,7 +296,7 @@ HONOURED_CHECKS = {
     "max_tokens": _max_tokens("max_tokens"), "max_completion_tokens": _max_tokens("max_completion_tokens"),
     "temperature": _temperature, "top_p": _top_p, "seed": _seed, "stop": _stop, "stream": _stream,
     "stream_options": _stream_options, "n": _n, "ignore_eos": _ignore_eos, "min_tokens": _min_tokens,
-    "fovea": _fovea, "logprobs": _logprobs, "top_logprobs": _top_logprobs, "presence_penalty": _presence_penalty,
+    "fovea": _fovea, "add_special_tokens": _add_special_tokens, "logprobs": _logprobs, "top_logprobs": _top_logprobs, "presence_penalty": _presence_penalty,
     "frequency_penalty": _frequency_penalty, "repetition_penalty": _repetition_penalty, "logit_bias": _logit_bias,
     "stop_token_ids": _stop_token_ids, "top_k": _top_k, "min_p": _min_p,
     "response_format": _unsatisfiable("response_format", {"type": "json_object"}),
@@ -329,10 +344,63 @@ def test_unknown_and_other_endpoint_fields_are_refused(post, endpoint):
     refused(post(endpoint, frobnicate=1), "frobnicate")
     other, value = ("suffix", "") if endpoint == fields.CHAT else ("tools", [])
     refused(post(endpoint, **{other: value}), other)
-    refused(post(endpoint, stream=True, stream_options={"continuous_usage_stats": True}),
-            "stream_options.continuous_usage_stats")
+    refused(post(endpoint, stream=True, stream_options={"frobnicate": True}), "stream_options.frobnicate")
     for name, value in (("user", 5), ("metadata", ["x"])):  # no-op at any value of the right type only
         refused(post(endpoint, **{name: value}), name, code="invalid_request")
+
+
+def _image_part(**extra) -> dict:
+    return {"type": "image_url", "image_url": {"url": URL, **extra}}
+
+
+def _chat(*messages: dict) -> dict:
+    return {"messages": list(messages)}
+
+
+def _user(*parts: dict, **extra) -> dict:
+    return {"role": "user", "content": [_image_part(), {"type": "text", "text": "Describe the image."}, *parts],
+            **extra}
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+# An unknown key at every depth of a chat body: refused like a top-level one, naming its path.
+NESTED_UNKNOWN = [
+    (_chat(_user(frobnicate=1)), "messages[0].frobnicate"),
+    (_chat({"role": "user", "content": [{"type": "text", "text": "hi", "frobnicate": 1}]}),
+     "messages[0].content[0].frobnicate"),
+    (_chat({"role": "user", "content": [{**_image_part(), "frobnicate": 1}]}), "messages[0].content[0].frobnicate"),
+    (_chat({"role": "user", "content": [_image_part(frobnicate=1)]}), "messages[0].content[0].image_url.frobnicate"),
+    (_chat({"role": "user", "content": [{"type": "video_url", "video_url": {"url": URL, "fps": 2}}]}),
+     "messages[0].content[0].video_url.fps"),
+    (_chat({"role": "user", "content": [{"type": "video_url", "video_url": {"url": URL}, "x": 1}]}),
+     "messages[0].content[0].x"),
+    (_chat(_user(), {"role": "assistant", "content": "a", "tool_calls": [{**CALL, "index": 0}]}),
+     "messages[1].tool_calls[0].index"),
+    (_chat(_user(), {"role": "assistant", "content": "a", "tool_calls": [
+        {**CALL, "function": {**CALL["function"], "x": 1}}]}), "messages[1].tool_calls[0].function.x"),
+    # Keys OpenAI's SDK types for an assistant message, which fovea takes only as null.
+    (_chat(_user(), {"role": "assistant", "content": "a", "refusal": "no"}, _user()), "messages[1].refusal"),
+    (_chat(_user(), {"role": "assistant", "content": "a", "audio": {"id": "a1"}}, _user()), "messages[1].audio"),
+    (_chat(_user(), {"role": "assistant", "content": "a", "function_call": {"name": "f", "arguments": "{}"}},
+           _user()), "messages[1].function_call"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), NESTED_UNKNOWN, ids=[p for _, p in NESTED_UNKNOWN])
+def test_unknown_nested_keys_are_refused_naming_their_path(live_server, body, param):
+    with httpx.Client(base_url=live_server.base_url, timeout=120) as http:
+        refused(http.post(PATHS[fields.CHAT], json=body), param)
+        refused(http.post("/tokenize", json=body), param)  # it reads messages through the same schema
+
+
+def test_nested_keys_the_sdk_sends_as_null_change_nothing(live_server):
+    question = _user()
+    plain = _chat(question, {"role": "assistant", "content": ANSWER}, question)
+    nulls = _chat(question, {"role": "assistant", "content": ANSWER, "refusal": None, "audio": None,
+                             "function_call": None, "name": None}, question)
+    with httpx.Client(base_url=live_server.base_url, timeout=120) as http:
+        a, b = (ok(http.post(PATHS[fields.CHAT], json={**body, "temperature": 0})) for body in (plain, nulls))
+    assert text_of(a) == text_of(b) and a["usage"] == b["usage"]
 
 
 def test_docs_list_every_field():

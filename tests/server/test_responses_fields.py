@@ -125,17 +125,17 @@ def sampled_with(http, call) -> list:
     """The engine's SamplingParams of each request ``call`` makes (the Responses API has no seed,
     so what reaches the sampler is checked, and the sampler itself by the chat tests)."""
     engine = http.fovea_state.engine
-    generate, seen = engine.generate, []
+    submit, seen = engine.submit, []  # every request reaches the engine through submit
 
     def spy(prompt, params, *args, **kwargs):
         seen.append(params)
-        return generate(prompt, params, *args, **kwargs)
+        return submit(prompt, params, *args, **kwargs)
 
-    engine.generate = spy
+    engine.submit = spy
     try:
         call()
     finally:
-        engine.generate = generate
+        engine.submit = submit
     return seen
 
 
@@ -331,6 +331,41 @@ def test_unknown_fields_and_items_are_refused(post, http):
     refused(http.post("/v1/responses", json={"input": [{"type": "item_reference", "id": "msg_1"}]}), "input[0].type")
     refused(http.post("/v1/responses", json={"input": [{"type": "function_call_output", "call_id": "c",
                                                         "output": "x"}]}), "input[0]", code="tools_not_supported")
+
+
+def _with(item: dict, **extra) -> list:
+    return [{**item, **extra}]
+
+
+IMAGE_PART = {"type": "input_image", "image_url": URL}
+# An unknown key at every depth of input: refused naming its path, as chat's nested keys are.
+NESTED_UNKNOWN = [
+    (_with(user_input()[0], frobnicate=1), "input[0].frobnicate"),
+    ([{"role": "user", "content": [{**IMAGE_PART, "frobnicate": 1}]}], "input[0].content[0].frobnicate"),
+    ([{"role": "user", "content": [{"type": "input_text", "text": "hi", "x": 1}]}], "input[0].content[0].x"),
+    ([*user_input(), {"role": "assistant", "content": [{"type": "output_text", "text": "a", "x": 1}]}],
+     "input[1].content[0].x"),
+    ([*user_input(), {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "x": 1}], "input[1].x"),
+    ([*user_input(), {"type": "function_call_output", "call_id": "c", "output": "1", "x": 1}], "input[1].x"),
+]
+
+
+@pytest.mark.parametrize(("items", "param"), NESTED_UNKNOWN, ids=[p for _, p in NESTED_UNKNOWN])
+def test_unknown_nested_keys_are_refused_naming_their_path(http, items, param):
+    refused(http.post("/v1/responses", json={"input": items}), param)
+
+
+def test_output_items_sent_back_as_input_keep_their_ids_with_no_effect(post, http):
+    """``input += response.output`` (OpenAI's guides): the items' id and status, and the text part's
+    annotations and logprobs, describe the earlier answer and change nothing."""
+    first = ok(post(temperature=0))
+    bare = [{"role": "assistant", "content": [{"type": "output_text", "text": text_of(first)}]}]
+    turns = [*user_input(), *first["output"], *user_input()]
+    assert first["output"][0]["id"] and first["output"][0]["status"] == "completed"
+    assert set(first["output"][0]["content"][0]) >= {"annotations", "logprobs"}
+    again = ok(http.post("/v1/responses", json={"input": turns, "temperature": 0}))
+    plain = ok(http.post("/v1/responses", json={"input": [*user_input(), *bare, *user_input()], "temperature": 0}))
+    assert text_of(again) == text_of(plain) and again["usage"] == plain["usage"]
 
 
 def test_aiperf_stream_options_are_accepted(post):

@@ -339,7 +339,7 @@ for fname, values in {
                  "stop_token_ids": "stop_token_ids[0]"}.get(fname, fname)
         add(f"chat-{fname}-{value!r}", "POST", CHAT, 400, "invalid_request", param, json=hi(**{fname: value}))
 for fname, value, param in [("fovea", {"unknown": 1}, "fovea.unknown"),
-                            ("stream_options", {"continuous_usage_stats": True}, "stream_options.continuous_usage_stats"),
+                            ("stream_options", {"frobnicate": True}, "stream_options.frobnicate"),
                             ("audio", {"voice": "alloy"}, "audio"), ("not_a_field", 1, "not_a_field")]:
     body = hi(**{fname: value}, **({"stream": True} if fname == "stream_options" else {}))
     add(f"chat-{fname}-{value!r}", "POST", CHAT, 400, "unsupported_parameter", param, json=body)

@@ -1,11 +1,14 @@
 """What an adversarial probe of the server found, pinned: parser depth, JSON errors, the slash
-redirect, the model path, idle connections."""
+redirect, the model path, idle connections, misframed requests, a client gone mid-body."""
 
+import logging
 import socket
 import time
 
 import httpx
 import pytest
+from framing_helpers import (MISFRAMED, PIPELINED, STATUS_LINE, address, assert_one_framing_refusal, counted,
+                             send_part_of_a_body, until_closed)
 
 from fovea.serve import http_protocol
 from fovea.serve.http_protocol import DeadlineH11Protocol
@@ -126,3 +129,32 @@ def test_an_idle_pooled_connection_outlives_the_clients_pool_expiry(server):
         assert not closed_within(sock, 6.0)  # still open after 6 s idle
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert read_response(sock).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("request_bytes", MISFRAMED.values(), ids=MISFRAMED.keys())
+def test_a_misframed_request_is_refused_and_its_connection_closed_before_a_pipelined_one(server, request_bytes):
+    assert_one_framing_refusal(server.base_url, request_bytes)
+
+
+def test_a_well_framed_request_keeps_its_connection_for_the_pipelined_one(server):
+    with socket.create_connection(address(server.base_url)) as sock:
+        sock.sendall(PIPELINED + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert STATUS_LINE.findall(until_closed(sock)) == [b"200", b"200"]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/images",
+                                   "/tokenize"])
+def test_a_client_that_hangs_up_mid_body_is_one_access_line_and_counted_as_499(server, caplog, route):
+    def count() -> float:
+        return counted(httpx.get(server.base_url + "/metrics").text, "fovea_requests_total", route, 499)
+
+    before = count()
+    with caplog.at_level(logging.INFO):
+        send_part_of_a_body(server.base_url, route)
+        deadline = time.monotonic() + 10
+        while count() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert count() == before + 1
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+    lines = [r.getMessage() for r in caplog.records if r.name == "fovea.access" and route in r.getMessage()]
+    assert len(lines) == 1 and "499" in lines[0] and "client_disconnected" in lines[0], lines

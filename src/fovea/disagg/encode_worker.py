@@ -22,6 +22,7 @@ import torch
 from fovea.disagg import host_copy, wire
 from fovea.disagg.encoder_plan import MARGIN_BYTES, EncoderPlan, refuse_unless_fits
 from fovea.disagg.handoff import DTYPES, pack, seal_many, vision_fingerprint
+from fovea.disagg.parent_watch import exit_with_parent
 from fovea.models.base import ImageInput
 
 READY, ERROR, BATCH = "ready", "error", "batch"
@@ -197,6 +198,7 @@ def vision_stage(part, fused: bool) -> tuple:
 def worker_main(conn: Connection, model_dir: str, device: str, dtype: str, batch_images: int = 8,
                 fused_vision: bool = False) -> None:
     """The process's body: load, say ready (with the vision fingerprint), then serve until EOF."""
+    exit_with_parent()  # at once, even while it loads or encodes
     torch.set_num_threads(1)
     try:
         service = EncodeService(model_dir, device, dtype, batch_images, fused_vision)

@@ -75,10 +75,30 @@ class EngineRequest:
     group: object | None = None
 
 
+def check_prompt_fits(prompt_tokens: int, limit: int) -> None:
+    """400 for a prompt that leaves no room for one answer token within ``limit`` tokens per
+    sequence; the message names the prompt, the one thing the client can shorten."""
+    if prompt_tokens >= limit:
+        raise InvalidRequest(
+            f"the prompt has {prompt_tokens} tokens; this server's limit is {limit} tokens per sequence "
+            "(prompt and answer together: --max-model-len, the KV-cache size or the model's context), which "
+            "leaves no room for an answer. Shorten the prompt or send fewer or smaller images.",
+            code="context_length_exceeded")
+
+
+def default_max_tokens(prompt_tokens: int, limit: int) -> int:
+    """The answer length of a request that sets none: what the per-sequence ``limit`` leaves
+    after the prompt (vLLM's rule), so an omitted max_tokens is never the reason for a refusal."""
+    check_prompt_fits(prompt_tokens, limit)
+    return limit - prompt_tokens
+
+
 def check_fits_context(prompt: EncodedPrompt, params: SamplingParams, model_context: int,
                        server_limit: int | None = None) -> None:
-    """400 up front for a request that can never finish: prompt + max_tokens beyond the
-    model's context, or beyond what this server holds per sequence (``server_limit``)."""
+    """400 up front for a request that can never finish: a prompt with no room for an answer,
+    or prompt + max_tokens beyond the model's context or beyond what this server holds per
+    sequence (``server_limit``)."""
+    check_prompt_fits(len(prompt.input_ids), min(model_context, server_limit or model_context))
     need = len(prompt.input_ids) + params.max_tokens
     head = f"the prompt has {len(prompt.input_ids)} tokens and max_tokens is {params.max_tokens}: {need} tokens exceed"
     if need > model_context:
@@ -139,50 +159,60 @@ class LoopMailbox:
             deliver(event)
 
 
-async def submit_and_stream(work_queue: queue.Queue[EngineRequest | None], max_queue: int,
-                            prompt: EncodedPrompt, params: SamplingParams, request_id: str | None,
-                            want_first_logprobs: bool) -> AsyncIterator[Event]:
-    """Queue one request for an engine's worker thread and stream its events back.
+class Submission:
+    """One request put on an engine worker's queue, and its events as they come back.
 
-    With ``params.n`` > 1 the request is n engine requests, one per choice (``params.choice(i)``),
-    whose events carry their ``index``; the stream ends when every choice has finished, or at
-    the first error (the other choices are then cancelled). A full queue is refused with 429;
-    a consumer that stops early cancels the request so the worker drops it (or frees its KV
-    blocks) at the next step.
+    Constructing it queues the request or refuses it at once (429 ``Overloaded``): a caller that
+    streams over HTTP submits before the response starts, so a request that will not be queued
+    is never a 200 whose stream stops. With ``params.n`` > 1 the request is n engine requests,
+    one per choice (``params.choice(i)``), whose events carry their ``index``; ``events`` ends
+    when every choice has finished, or at the first error (the other choices are then
+    cancelled). ``cancel`` (also run when ``events`` stops early) makes the worker drop the
+    request or free its KV blocks at the next step.
     """
-    mailbox = LoopMailbox.of(asyncio.get_running_loop())
-    events: asyncio.Queue[Event] = asyncio.Queue()
-    rid = request_id or uuid.uuid4().hex
-    n = params.n
-    cancelled = threading.Event()
-    group = object() if n > 1 else None
 
-    def emitter(index: int) -> Callable[[Event], None]:
-        def emit(event: Event) -> None:
-            event.index = index
-            mailbox.post(events.put_nowait, event)
-        return emit
+    def __init__(self, work_queue: queue.Queue[EngineRequest | None], max_queue: int | None,
+                 prompt: EncodedPrompt, params: SamplingParams, request_id: str | None,
+                 want_first_logprobs: bool) -> None:
+        mailbox = LoopMailbox.of(asyncio.get_running_loop())
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        rid = request_id or uuid.uuid4().hex
+        self.n = n = params.n
+        self.cancelled = threading.Event()
+        group = object() if n > 1 else None
 
-    requests = [EngineRequest(request_id=rid if n == 1 else f"{rid}-{i}", prompt=prompt,
-                              params=params if n == 1 else params.choice(i), emit=emitter(i),
-                              cancelled=cancelled, want_first_logprobs=want_first_logprobs, index=i, group=group)
-                for i in range(n)]
-    try:
-        for request in requests:
-            work_queue.put_nowait(request)
-    except queue.Full:
-        cancelled.set()  # the choices already queued are dropped by the worker
-        raise Overloaded(f"{max_queue} requests are already waiting; retry shortly.") from None
-    finished = 0
-    try:
-        while True:
-            event = await events.get()
-            yield event
-            if isinstance(event, ErrorEvent):
-                return
-            if isinstance(event, FinishEvent):
-                finished += 1
-                if finished == n:
+        def emitter(index: int) -> Callable[[Event], None]:
+            def emit(event: Event) -> None:
+                event.index = index
+                mailbox.post(self._events.put_nowait, event)
+            return emit
+
+        requests = [EngineRequest(request_id=rid if n == 1 else f"{rid}-{i}", prompt=prompt,
+                                  params=params if n == 1 else params.choice(i), emit=emitter(i),
+                                  cancelled=self.cancelled, want_first_logprobs=want_first_logprobs, index=i,
+                                  group=group)
+                    for i in range(n)]
+        try:
+            for request in requests:
+                work_queue.put_nowait(request)
+        except queue.Full:
+            self.cancelled.set()  # the choices already queued are dropped by the worker
+            raise Overloaded(f"{max_queue} requests are already waiting; retry shortly.") from None
+
+    def cancel(self) -> None:
+        self.cancelled.set()  # no-op when finished
+
+    async def events(self) -> AsyncIterator[Event]:
+        finished = 0
+        try:
+            while True:
+                event = await self._events.get()
+                yield event
+                if isinstance(event, ErrorEvent):
                     return
-    finally:
-        cancelled.set()  # no-op when finished
+                if isinstance(event, FinishEvent):
+                    finished += 1
+                    if finished == self.n:
+                        return
+        finally:
+            self.cancel()

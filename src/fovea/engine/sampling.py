@@ -42,7 +42,8 @@ class SamplingParams:
     # None: no log-probabilities; k >= 0: the sampled token's and the k most likely (k <= 20).
     logprobs: int | None = None
     n: int = 1  # choices generated from the one prompt (see ``choice``)
-    # Structured outputs: a compiled xgrammar grammar the answer must match (None: free text).
+    # Structured outputs: the compiled grammar (engine/structured's Grammar) the answer must match
+    # (None: free text).
     grammar: Any = None
 
     def __post_init__(self) -> None:

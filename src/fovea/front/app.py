@@ -131,8 +131,8 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
     async def passthrough(request: Request):
         return await proxy.one(request)
 
-    for path, method in (("/v1/models", "GET"), ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"),
-                         ("/generate", "POST"), ("/tokenize", "POST"), ("/detokenize", "POST")):
+    for path, method in (("/v1/models", "GET"), ("/v1/models/{model:path}", "GET"), ("/v1/chat/completions", "POST"),
+                         ("/v1/completions", "POST"), ("/generate", "POST"), ("/tokenize", "POST"), ("/detokenize", "POST")):
         app.add_api_route(path, passthrough, methods=[method])
 
     @app.post("/v1/responses")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from fovea.disagg.parent_watch import PARENT_FD_ENV, lifeline
 from fovea.front.children import free_port, pd_worker_command, pd_worker_env
 from fovea.front.encoders import backoff_s
 
@@ -47,6 +49,13 @@ class PdWorker:
     answered_at: float = 0.0  # when its /health last answered (ready workers)
     asked_at: float = 0.0
     routed: int = 0  # requests sent to it, over all its restarts (the tie-break between idle workers)
+    lifeline: int | None = None  # the pipe end whose closing kills it (parent_watch): held while it runs
+
+    def release(self) -> None:
+        """Close its lifeline, once its process has exited."""
+        if self.lifeline is not None:
+            os.close(self.lifeline)
+            self.lifeline = None
 
     @property
     def url(self) -> str:
@@ -82,10 +91,16 @@ class PdFleet:
 
     def _spawn(self, worker: PdWorker) -> None:
         worker.port, worker.state = free_port(), "starting"
+        worker.release()  # its previous process has exited
+        child_end, worker.lifeline = lifeline()
         # A session of its own: a Ctrl-C at the terminal reaches the front alone, which then
         # stops its workers in order instead of racing them.
-        worker.process = subprocess.Popen(pd_worker_command(self.argv, worker.index, worker.port, self.sockets),
-                                          env=self.env, start_new_session=True)
+        try:
+            worker.process = subprocess.Popen(pd_worker_command(self.argv, worker.index, worker.port, self.sockets),
+                                              env={**self.env, PARENT_FD_ENV: str(child_end)},
+                                              pass_fds=(child_end,), start_new_session=True)
+        finally:
+            os.close(child_end)
         log.info("PD worker %d starting (pid %d, port %d)", worker.index, worker.pid, worker.port)
 
     # ---- routing --------------------------------------------------------------------------
@@ -181,3 +196,4 @@ class PdFleet:
                 log.warning("PD worker %d did not stop within %.0f s: killing it", worker.index, STOP_GRACE_S)
                 worker.process.kill()
                 worker.process.wait(5)
+            worker.release()

@@ -13,75 +13,33 @@ floor so that a model that ignores everything cannot calibrate itself into passi
 from __future__ import annotations
 
 import asyncio
-import io
 import itertools
 import math
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-from PIL import Image, ImageDraw
 
 from fovea.engine.paged.engine import PagedEngine
 from fovea.engine.request import ErrorEvent, FinishEvent
 from fovea.engine.sampling import SamplingParams
+from fovea.guard.canary_fit import ANSWER_TOKENS
+# The drawings live beside the contract's probe image (no torch there: start-up checks use them).
+from fovea.guard.probe_images import (  # noqa: F401  (CanaryCase and PROBE_SIZE: imported from here too)
+    DEFAULT_CASES,
+    PROBE_SIZE,
+    CanaryCase,
+    draw_blank,
+    draw_case,
+    png_bytes,
+)
 from fovea.media import decode_image_bytes
 from fovea.media.config import MediaConfig
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt, encode_prompt, render_chat
 
 KL_FLOOR = 0.05  # nats; below this an answer does not depend on the image in any useful way
-
-
-@dataclass(frozen=True)
-class CanaryCase:
-    colour: str
-    rgb: tuple[int, int, int]
-    shape: str
-
-    @property
-    def question(self) -> str:
-        return f"What color is the {self.shape}?"
-
-
-DEFAULT_CASES = (
-    CanaryCase("red", (220, 30, 30), "circle"),
-    CanaryCase("blue", (30, 70, 220), "square"),
-    CanaryCase("green", (30, 160, 50), "triangle"),
-)
-
-
-def draw_case(case: CanaryCase, size: int = 256, variant: int = 0) -> Image.Image:
-    """The reference image; ``variant`` nudges the shape by a few pixels so that every canary
-    run sends pixels no cache has seen (the encoder cache and the prefix cache key on them)."""
-    image = Image.new("RGB", (size, size), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    rng = random.Random(variant)
-    dx, dy = (rng.randint(-size // 32, size // 32) for _ in range(2))
-    lo, hi = size * 0.3, size * 0.7
-    if case.shape == "circle":
-        draw.ellipse((lo + dx, lo + dy, hi + dx, hi + dy), fill=case.rgb)
-    elif case.shape == "square":
-        draw.rectangle((lo + dx, lo + dy, hi + dx, hi + dy), fill=case.rgb)
-    else:
-        draw.polygon([(size / 2 + dx, lo + dy), (hi + dx, hi + dy), (lo + dx, hi + dy)], fill=case.rgb)
-    return image
-
-
-def draw_blank(size: tuple[int, int], variant: int = 0) -> Image.Image:
-    """A white canvas with one barely-off-white pixel placed by ``variant`` (again: never cached)."""
-    image = Image.new("RGB", size, (255, 255, 255))
-    rng = random.Random(variant)
-    image.putpixel((rng.randrange(size[0]), rng.randrange(size[1])), (250, 250, 250))
-    return image
-
-
-def png_bytes(image: Image.Image, fmt: str = "PNG", **save: object) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **save)
-    return buffer.getvalue()
 
 
 def kl_divergence(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
@@ -107,6 +65,8 @@ class CanaryResult:
     cases: list[CaseResult]
     checked_at: float = field(default_factory=time.time)
     seconds: float = 0.0
+    probe_size: int = PROBE_SIZE  # the probe images' side, and the answer tokens allowed (fitted to the limits)
+    answer_tokens: int = ANSWER_TOKENS
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,8 +87,18 @@ class Canary:
         self.threshold: float | None = None
         self.last: CanaryResult | None = None
         self._variants = itertools.count(1)
+        # The probe image's side and the answer tokens allowed: fitted to the server's limits
+        # (guard/canary_fit.py) by ``adapt``; these are what the canary asks for given room.
+        self.probe_size = PROBE_SIZE
+        self.answer_tokens = ANSWER_TOKENS
 
-    async def _first_logprobs(self, image_bytes: bytes, question: str, max_tokens: int) -> tuple[str, torch.Tensor]:
+    def adapt(self, size: int, answer_tokens: int) -> None:
+        """Use probe images of ``size`` pixels a side and answers of at most ``answer_tokens``
+        (the fit to a small per-sequence limit or small image limits)."""
+        self.probe_size, self.answer_tokens = size, answer_tokens
+
+    async def _first_logprobs(self, image_bytes: bytes, question: str,
+                              max_tokens: int) -> tuple[str, torch.Tensor, str]:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
         text = render_chat(self.loaded, messages)
         if self.prompts is not None:
@@ -140,7 +110,7 @@ class Canary:
         async for event in self.engine.generate(prompt, params, want_first_logprobs=True):
             if isinstance(event, FinishEvent):
                 assert event.first_logprobs is not None
-                return event.text, event.first_logprobs
+                return event.text, event.first_logprobs, event.finish_reason
             if isinstance(event, ErrorEvent):
                 raise event.error
         raise RuntimeError("the engine ended the canary request without finishing it")
@@ -149,9 +119,9 @@ class Canary:
         """KL between each reference image and a JPEG re-encoding of it: the model's noise floor."""
         noise = 0.0
         for case in self.cases:
-            image = draw_case(case, variant=next(self._variants))
-            _, p = await self._first_logprobs(png_bytes(image), case.question, 1)
-            _, q = await self._first_logprobs(png_bytes(image, "JPEG", quality=90), case.question, 1)
+            image = draw_case(case, self.probe_size, variant=next(self._variants))
+            _, p, _ = await self._first_logprobs(png_bytes(image), case.question, 1)
+            _, q, _ = await self._first_logprobs(png_bytes(image, "JPEG", quality=90), case.question, 1)
             noise = max(noise, kl_divergence(p, q))
         self.threshold = max(self.floor, 5.0 * noise)
         return self.threshold
@@ -164,20 +134,24 @@ class Canary:
         results: list[CaseResult] = []
         reasons: list[str] = []
         for case in self.cases:
-            image = draw_case(case, variant=next(self._variants))
-            answer, p = await self._first_logprobs(png_bytes(image), case.question, 16)
+            image = draw_case(case, self.probe_size, variant=next(self._variants))
+            answer, p, finish = await self._first_logprobs(png_bytes(image), case.question, self.answer_tokens)
             blank = draw_blank(image.size, variant=next(self._variants))
-            _, q = await self._first_logprobs(png_bytes(blank), case.question, 1)
+            _, q, _ = await self._first_logprobs(png_bytes(blank), case.question, 1)
             kl = kl_divergence(p, q)
             hit = case.colour in answer.lower().replace(",", " ").replace(".", " ").split()
             results.append(CaseResult(case.colour, answer, hit, kl))
             if not hit:
+                cut = (f"; the answer was cut at {self.answer_tokens} token(s) to fit the server's per-sequence "
+                       "limit: raise --max-model-len or --kv-cache-memory"
+                       if finish == "length" and self.answer_tokens < ANSWER_TOKENS else "")
                 reasons.append(f"canary: asked {case.question!r} about a {case.colour} {case.shape}, "
-                               f"got {answer!r} (no {case.colour!r})")
+                               f"got {answer!r} (no {case.colour!r}{cut})")
             if not kl > threshold:
                 reasons.append(f"canary: image ignored: the answer to {case.question!r} is the same with a blank "
                                f"image (ablation KL {kl:.4f} <= threshold {threshold:.4f} nats)")
         min_kl = min((r.ablation_kl for r in results), default=math.nan)
         self.last = CanaryResult(not reasons, reasons, threshold, min_kl, results,
-                                 seconds=time.perf_counter() - started)
+                                 seconds=time.perf_counter() - started, probe_size=self.probe_size,
+                                 answer_tokens=self.answer_tokens)
         return self.last

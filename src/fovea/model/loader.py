@@ -231,3 +231,21 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
         torch_device, str(torch_dtype).removeprefix("torch."), loaded.load_seconds,
     )
     return loaded
+
+
+def load_codec(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> PromptCodec:
+    """The model's prompt codec alone: its processor and config, no weights (start-up checks
+    that need prompt lengths before the weights are loaded)."""
+    from transformers import AutoConfig
+
+    path = (Path(path) if path else default_model_dir()).expanduser().resolve()
+    inspect_model_dir(path)
+    adapter = adapter_for(json.loads((path / "config.json").read_text())["model_type"])
+    assert adapter is not None  # inspect_model_dir refused the others
+    try:
+        processor = adapter.load_processor(path)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"transformers could not load {path}'s processor: {exc}") from exc
+    _, image_token_id = adapter.image_token(processor, config)
+    return adapter.codec(processor, image_token_id, dtype)

@@ -13,7 +13,14 @@ from typing import Any
 from PIL import Image
 
 from fovea.errors import InvalidRequest
-from fovea.models.base import EncodedPrompt, ImageInput, PlaceholderMismatch, PromptCodec
+from fovea.models.base import (
+    DEFAULT_OPTIONS,
+    EncodedPrompt,
+    EncodeOptions,
+    ImageInput,
+    PlaceholderMismatch,
+    PromptCodec,
+)
 
 __all__ = ["EncodedPrompt", "ImageInput", "PlaceholderMismatch", "encode_prompt", "render_chat"]
 
@@ -32,6 +39,6 @@ def render_chat(model: Any, messages: list[dict[str, Any]], tools: list[dict[str
         raise InvalidRequest(f"the model's chat template could not render these messages: {exc}") from exc
 
 
-def encode_prompt(model: Any, text: str, images: list[Image.Image], *,
-                  template_rendered: bool = True) -> EncodedPrompt:
-    return _codec(model).encode(text, images, template_rendered=template_rendered)
+def encode_prompt(model: Any, text: str, images: list[Image.Image], *, template_rendered: bool = True,
+                  options: EncodeOptions = DEFAULT_OPTIONS) -> EncodedPrompt:
+    return _codec(model).encode(text, images, template_rendered=template_rendered, options=options)

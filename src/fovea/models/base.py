@@ -76,6 +76,29 @@ class EncodedPrompt:
         return [image.num_tokens for image in self.images]
 
 
+# OpenAI's low-detail image: at most 512 x 512 pixels. Dynamic-resolution families cap an image
+# sent with image_url.detail "low" at this many pixels; fixed-resolution ones have one size.
+LOW_DETAIL_PIXELS = 512 * 512
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    """What a request asks of its prompt's encoding, beyond text and images (picklable: it goes
+    to preprocessing worker processes)."""
+
+    # None: the family's rule (a rendered chat gets no second BOS, a raw prompt the tokenizer's
+    # default); True/False: passed to the tokenizer as is (vLLM's add_special_tokens).
+    add_special_tokens: bool | None = None
+    # Per image, in prompt order: sent with detail "low" (families that resize use LOW_DETAIL_PIXELS).
+    low_detail: tuple[bool, ...] = ()
+
+    def is_low(self, index: int) -> bool:
+        return index < len(self.low_detail) and self.low_detail[index]
+
+
+DEFAULT_OPTIONS = EncodeOptions()
+
+
 def pixel_hash(pixels: torch.Tensor, grid: Sequence[int] | None = None) -> str:
     """Content hash of one preprocessed image as the model will see it: its dtype, shape, grid
     and bytes, hashed in place (a bfloat16 image is half the bytes of float32)."""
@@ -162,7 +185,15 @@ class PromptCodec(ABC):
         The contract checks ``encode(render(messages), images)`` against it."""
 
     @abstractmethod
-    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True) -> EncodedPrompt: ...
+    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
+               options: EncodeOptions = DEFAULT_OPTIONS) -> EncodedPrompt: ...
+
+    def tokenizer_kwargs(self, text: str, template_rendered: bool, options: EncodeOptions) -> dict[str, bool]:
+        """The tokenizer's arguments for ``text``: the request's add_special_tokens when it sent one,
+        else the family's rule (no second BOS after a template's; a raw prompt as the tokenizer does)."""
+        if options.add_special_tokens is not None:
+            return {"add_special_tokens": options.add_special_tokens}
+        return tokenize_rendered(self.tokenizer, text) if template_rendered else {}
 
     def target_short_side(self) -> int | None:
         """The short side images may be reduced to before the processor (twice this is kept),

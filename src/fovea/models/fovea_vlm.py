@@ -60,7 +60,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from fovea.errors import ModelLoadError
 from fovea.models.base import (
+    DEFAULT_OPTIONS,
     EncodedPrompt,
+    EncodeOptions,
     Family,
     ImageInput,
     LanguageModelSpec,
@@ -261,12 +263,18 @@ class FoveaVLMProcessor:
 
 
 class FoveaVLMCodec(LlavaCodec):
-    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True) -> EncodedPrompt:
+    def tokenizer_kwargs(self, text: str, template_rendered: bool, options: EncodeOptions) -> dict[str, bool]:
         """As transformers' ``apply_chat_template(tokenize=True)``: a rendered chat is tokenized
         with no special tokens added (a BOS is the template's to write); a raw prompt as the
-        tokenizer's default."""
+        tokenizer's default; the request's add_special_tokens when it sent one."""
+        if options.add_special_tokens is None and template_rendered:
+            return {"add_special_tokens": False}
+        return super().tokenizer_kwargs(text, template_rendered, options)
+
+    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
+               options: EncodeOptions = DEFAULT_OPTIONS) -> EncodedPrompt:
         check_placeholders(text, self.image_token, len(images), template_rendered)
-        kwargs = {"add_special_tokens": False} if template_rendered else {}
+        kwargs = self.tokenizer_kwargs(text, template_rendered, options)
         if not images:
             return text_only_prompt(self.tokenizer, text, kwargs, self.image_token, self.image_token_id)
         encoded = self.processor(text=text, images=images, return_tensors="pt", text_kwargs=kwargs)

@@ -18,7 +18,9 @@ from PIL import Image
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from fovea.models.base import (
+    DEFAULT_OPTIONS,
     EncodedPrompt,
+    EncodeOptions,
     Family,
     ImageInput,
     LanguageModelSpec,
@@ -28,7 +30,6 @@ from fovea.models.base import (
     WidthReport,
     check_placeholders,
     pixel_hash,
-    tokenize_rendered,
 )
 
 RECIPE_FIELDS = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale",
@@ -62,9 +63,10 @@ class LlavaCodec(PromptCodec):
         ids = out["input_ids"]
         return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
-    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True) -> EncodedPrompt:
+    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
+               options: EncodeOptions = DEFAULT_OPTIONS) -> EncodedPrompt:
         check_placeholders(text, self.image_token, len(images), template_rendered)
-        kwargs = tokenize_rendered(self.tokenizer, text) if template_rendered else {}
+        kwargs = self.tokenizer_kwargs(text, template_rendered, options)
         if images:
             # text_kwargs: transformers' processors take tokenizer arguments there (as keywords
             # they warn, and may stop passing them on).

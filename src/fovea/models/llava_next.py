@@ -34,14 +34,15 @@ from transformers.models.llava_next.modeling_llava_next import LlavaNextModel, i
 
 from fovea.errors import ModelLoadError
 from fovea.models.base import (
+    DEFAULT_OPTIONS,
     EncodedPrompt,
+    EncodeOptions,
     Family,
     ImageInput,
     PlaceholderMismatch,
     check_placeholders,
     pixel_hash,
     text_only_prompt,
-    tokenize_rendered,
 )
 from fovea.models.llava import NORMALISATION_FIELDS, LlavaAdapter, LlavaCodec
 
@@ -82,9 +83,10 @@ class LlavaNextCodec(LlavaCodec):
         """Each image's image-token count, as transformers' processor expands its placeholder."""
         return list(self.processor._get_num_multimodal_tokens(image_sizes=image_sizes).num_image_tokens)
 
-    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True) -> EncodedPrompt:
+    def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
+               options: EncodeOptions = DEFAULT_OPTIONS) -> EncodedPrompt:
         check_placeholders(text, self.image_token, len(images), template_rendered)
-        kwargs = tokenize_rendered(self.tokenizer, text) if template_rendered else {}
+        kwargs = self.tokenizer_kwargs(text, template_rendered, options)
         if not images:
             return text_only_prompt(self.tokenizer, text, kwargs, self.image_token, self.image_token_id)
         encoded = self.processor(text=text, images=images, return_tensors="pt", text_kwargs=kwargs)

@@ -43,7 +43,10 @@ from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditi
 
 from fovea.errors import InvalidRequest
 from fovea.models.base import (
+    DEFAULT_OPTIONS,
+    LOW_DETAIL_PIXELS,
     EncodedPrompt,
+    EncodeOptions,
     Family,
     ImageInput,
     LanguageModelSpec,
@@ -53,7 +56,6 @@ from fovea.models.base import (
     WidthReport,
     check_placeholders,
     pixel_hash,
-    tokenize_rendered,
 )
 from fovea.models.qwen_vision_attention import grouped
 
@@ -283,28 +285,26 @@ class QwenCodec(PromptCodec):
     def _factor(self) -> int:
         return int(self.image_processor.patch_size) * self.merge
 
-    def _preprocess(self, images: list[Image.Image]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    def _preprocess(self, images: list[Image.Image], max_pixels: int | None = None
+                    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The processor's patches and grids for ``images``; ``max_pixels`` caps the model's own
+        bound (image_url.detail "low")."""
         factor = self._factor()
-        ready = []
-        for index, image in enumerate(images):
-            width, height = image.size
-            if max(width, height) / max(1, min(width, height)) > MAX_ASPECT:
-                raise InvalidRequest(
-                    f"image {index} is {width}x{height} px: its aspect ratio is over {MAX_ASPECT}:1, which this "
-                    "model's processor cannot tile; crop it.", code="invalid_image")
-            ready.append(image)
+        low, high = pixel_bounds(self.image_processor)
+        kwargs = {} if max_pixels is None or max_pixels >= high else \
+            {"size": {"shortest_edge": low, "longest_edge": max(low, max_pixels)}}
         try:
-            out = self.image_processor(images=ready, return_tensors="pt")
+            out = self.image_processor(images=images, return_tensors="pt", **kwargs)
         except ValueError as exc:
             # Older processors refuse sides under one 28 px tile (vllm#21109): resize those up to
             # the model's minimum and let the processor take it from there.
             if "factor" not in str(exc) and "smaller" not in str(exc):
                 raise
-            ready = [im if min(im.size) >= factor else im.resize(
+            images = [im if min(im.size) >= factor else im.resize(
                 (max(factor, round(im.size[0] * factor / min(im.size))),
                  max(factor, round(im.size[1] * factor / min(im.size)))), Image.Resampling.BICUBIC)
-                for im in ready]
-            out = self.image_processor(images=ready, return_tensors="pt")
+                for im in images]
+            out = self.image_processor(images=images, return_tensors="pt", **kwargs)
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
         return out["pixel_values"].to(self.dtype), grids
 
@@ -333,13 +333,13 @@ class QwenCodec(PromptCodec):
                           self.video.token_id)
 
     def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
-               videos: list[Any] | None = None) -> EncodedPrompt:
+               options: EncodeOptions = DEFAULT_OPTIONS, videos: list[Any] | None = None) -> EncodedPrompt:
         videos = self.check_media(text, images, videos, template_rendered)
-        ids = self._checked_ids(text, len(images), template_rendered, len(videos), "video(s)")
+        ids = self._checked_ids(text, len(images), template_rendered, len(videos), "video(s)", options=options)
         if not images and not videos:
             return EncodedPrompt(list(ids), [], text)
         video_inputs = [self._video_input(video) for video in videos]
-        inputs, expanded = self._expanded(ids, self._image_inputs(images), video_inputs)
+        inputs, expanded = self._expanded(ids, self._image_inputs(images, options), video_inputs)
         intervals = [None if item.seconds_per_grid is None else
                      self.video.tokens_per_second * torch.tensor(item.seconds_per_grid)  # float32, as transformers
                      for item in inputs] if videos else None
@@ -348,10 +348,10 @@ class QwenCodec(PromptCodec):
         return EncodedPrompt(expanded, inputs, text, rows, delta)
 
     def _checked_ids(self, text: str, images: int, template_rendered: bool, video_slots: int, video_what: str,
-                     video_status: int = 400) -> list[int]:
+                     video_status: int = 400, options: EncodeOptions = DEFAULT_OPTIONS) -> list[int]:
         """The text's token ids, once its image and video tokens are one per image and per video
         slot (``video_what`` names the slots; ``video_status`` 500 where fovea wrote them)."""
-        kwargs = tokenize_rendered(self.tokenizer, text) if template_rendered else {}
+        kwargs = self.tokenizer_kwargs(text, template_rendered, options)
         ids = self.tokenizer(text, **kwargs)["input_ids"]
         placeholders = sum(1 for t in ids if t == self.image_token_id)
         if placeholders != images:
@@ -381,11 +381,26 @@ class QwenCodec(PromptCodec):
                 expanded.append(token)
         return inputs, expanded
 
-    def _image_inputs(self, images: list[Image.Image]) -> list[ImageInput]:
-        """Each image's patches (a slice of the processor's batch), tokens after the merge and key."""
-        if not images:
-            return []
-        pixels, grids = self._preprocess(images)
+    def _image_inputs(self, images: list[Image.Image], options: EncodeOptions = DEFAULT_OPTIONS) -> list[ImageInput]:
+        """Each image's patches (a slice of the processor's batch), tokens after the merge and key;
+        images sent with detail "low" are processed apart, within LOW_DETAIL_PIXELS."""
+        for index, image in enumerate(images):
+            width, height = image.size
+            if max(width, height) / max(1, min(width, height)) > MAX_ASPECT:
+                raise InvalidRequest(
+                    f"image {index} is {width}x{height} px: its aspect ratio is over {MAX_ASPECT}:1, which this "
+                    "model's processor cannot tile; crop it.", code="invalid_image")
+        out: list[ImageInput | None] = [None] * len(images)
+        low = [options.is_low(i) for i in range(len(images))]
+        for cap in (None, LOW_DETAIL_PIXELS):
+            indices = [i for i in range(len(images)) if low[i] == (cap is not None)]
+            if indices:
+                pixels, grids = self._preprocess([images[i] for i in indices], cap)
+                for i, item in zip(indices, self._sliced(pixels, grids), strict=True):
+                    out[i] = item
+        return out  # type: ignore[return-value]
+
+    def _sliced(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[ImageInput]:
         out, offset = [], 0
         for grid in grids:
             patches = grid[0] * grid[1] * grid[2]

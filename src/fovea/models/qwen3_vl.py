@@ -39,7 +39,9 @@ from transformers import Qwen3VLForConditionalGeneration
 
 from fovea.errors import ModelLoadError
 from fovea.models.base import (
+    DEFAULT_OPTIONS,
     EncodedPrompt,
+    EncodeOptions,
     Family,
     ImageInput,
     LanguageModelSpec,
@@ -149,7 +151,7 @@ class Qwen3Codec(QwenCodec):
         return groups, text
 
     def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
-               videos: list[Any] | None = None) -> EncodedPrompt:
+               options: EncodeOptions = DEFAULT_OPTIONS, videos: list[Any] | None = None) -> EncodedPrompt:
         videos = self.check_media(text, images, videos, template_rendered)
         frames: list[ImageInput] = []
         if videos:  # each <|video_pad|> becomes the video's timestamped frame groups, in order
@@ -161,10 +163,10 @@ class Qwen3Codec(QwenCodec):
                 out += expansion + rest
             text = out
         ids = self._checked_ids(text, len(images), template_rendered, len(frames), "video frame group(s)",
-                                video_status=500)
+                                video_status=500, options=options)
         if not images and not frames:
             return EncodedPrompt(list(ids), [], text)
-        inputs, expanded = self._expanded(ids, self._image_inputs(images), frames)
+        inputs, expanded = self._expanded(ids, self._image_inputs(images, options), frames)
         # Every image and frame group has t = 1: Qwen2.5-VL's image positions are Qwen3-VL's.
         rows, delta = mrope_positions(expanded, self.image_token_id, [item.grid for item in inputs], self.merge)
         return EncodedPrompt(expanded, inputs, text, rows, delta)

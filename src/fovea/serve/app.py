@@ -17,12 +17,13 @@ from fovea.engine.paged import PagedEngine, PagedEngineConfig
 from fovea.engine.paged.config import VISION_BATCH
 from fovea.engine.paged.memory_plan import check_weights_fit
 from fovea.errors import FoveaError
+from fovea.guard.canary_fit import ANSWER_TOKENS, PROBE_SIZE
 from fovea.guard.memory import estimate_weight_bytes
 from fovea.logs import RequestIdMiddleware
 from fovea.model.contract import check_contract, vision_row_width
 from fovea.model.loader import LoadedModel, default_model_dir, load_model, resolve_device, resolve_dtype
 from fovea.serve.body_limit import BodyLimitMiddleware
-from fovea.serve.chat import make_chat_router
+from fovea.serve.chat import check_model_name, make_chat_router
 from fovea.serve.completions import make_completions_router
 from fovea.serve.error_handlers import install_error_handlers
 from fovea.serve.images_api import make_images_router
@@ -30,6 +31,7 @@ from fovea.serve.metrics import Metrics
 from fovea.serve.playground_route import make_playground_router
 from fovea.serve.request_gate import RequestGate
 from fovea.serve.responses import make_responses_router
+from fovea.serve.startup_checks import fit_canary_to_engine
 from fovea.serve.state import ServerState
 from fovea.serve.tokenize import make_tokenize_router
 from fovea.serve.trailing_slash import StripTrailingSlash
@@ -98,8 +100,20 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                            batch_images=vision_batch, pd_device=str(loaded.device), fused_vision=bool(fused),
                            on_handoff=metrics.observe_handoff, encoder_addresses=list(settings.encode_addresses),
                            authkey=settings.encode_authkey).start()
-    engine = PagedEngine(loaded, engine_config, on_vision_seconds=on_vision, remote_encoder=pool)
+    try:
+        engine = PagedEngine(loaded, engine_config, on_vision_seconds=on_vision, remote_encoder=pool)
+        fit = fit_canary_to_engine(settings, loaded, engine) if settings.canary else None
+    except BaseException:
+        if pool is not None:  # refused at start-up: its worker processes go with it
+            pool.stop()
+        raise
     state = ServerState.build(settings, loaded, engine, contract, metrics)
+    if fit is not None:
+        state.canary.adapt(fit.size, fit.answer_tokens)
+        if (fit.size, fit.answer_tokens) != (PROBE_SIZE, ANSWER_TOKENS):
+            log.info("grounding canary fitted to %d tokens per sequence: probe images of %dx%d (%d prompt tokens), "
+                     "answers of at most %d tokens", engine.max_context, fit.size, fit.size, fit.prompt_tokens,
+                     fit.answer_tokens)
 
     async def run_canary() -> None:
         result = await state.canary.run()
@@ -179,7 +193,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             "memory": engine.memory_report(),
             "canary": None if last is None else {
                 "ok": last.ok, "min_ablation_kl": last.min_ablation_kl, "threshold": last.threshold,
-                "checked_at": last.checked_at, "answers": {c.colour: c.answer for c in last.cases}},
+                "checked_at": last.checked_at, "answers": {c.colour: c.answer for c in last.cases},
+                "probe_size": last.probe_size, "answer_tokens": last.answer_tokens},
         }
         code = 503 if (settings.strict and status != "ok") else 200
         return JSONResponse(body, status_code=code)
@@ -202,16 +217,26 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     async def version():
         return {"version": __version__}
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
+    def model_card() -> dict:
+        return {
             "id": state.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "fovea",
             "root": state.model_name,  # not the server's filesystem path
             "max_model_len": getattr(engine, "max_context", loaded.context_length),
-        }]}
+        }
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str):
+        """OpenAI's "retrieve model": the one entry of /v1/models, or 404 for another name
+        (``:path``: served names such as ``Qwen/Qwen2.5-VL-7B-Instruct`` hold slashes)."""
+        check_model_name(state, model, param=None)
+        return model_card()
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(StripTrailingSlash)

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.media.video import load_video_bytes
 from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch, render_chat
+from fovea.models.base import EncodeOptions
 from fovea.serve.generation import respond
 from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, VideoURLPart
 from fovea.serve.state import ServerState
@@ -36,10 +37,10 @@ class ModelNotFound(FoveaError):
     status, code = 404, "model_not_found"
 
 
-def check_model_name(state: ServerState, name: str | None) -> None:
+def check_model_name(state: ServerState, name: str | None, param: str | None = "model") -> None:
     if name and name != state.model_name:
         raise ModelNotFound(f"model {name!r} is not served here; this server serves {state.model_name!r} "
-                            "(GET /v1/models lists it).", param="model")
+                            "(GET /v1/models lists it).", param=param)
 
 
 def refuse_typed_placeholder(text: str, image_token: str, where: str) -> None:
@@ -74,7 +75,7 @@ def to_template_messages(messages: list[ChatMessage], image_token: str = "<image
             content = ""
         if isinstance(content, str):
             refuse_typed_placeholder(content, image_token, f"messages[{i}].content")
-            out.append(with_tool_fields({"role": message.role, "content": content}, message, i))
+            out.append(with_message_fields({"role": message.role, "content": content}, message, i))
             continue
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
@@ -98,13 +99,15 @@ def to_template_messages(messages: list[ChatMessage], image_token: str = "<image
             else:
                 refuse_typed_placeholder(part.text, image_token, f"messages[{i}].content[{j}].text")
                 parts.append({"type": "text", "text": part.text})
-        out.append(with_tool_fields({"role": message.role, "content": parts}, message, i))
+        out.append(with_message_fields({"role": message.role, "content": parts}, message, i))
     return out, images
 
 
-def with_tool_fields(rendered: dict[str, Any], message: ChatMessage, i: int) -> dict[str, Any]:
-    """An assistant's earlier tool calls (arguments as objects, as chat templates expect them)
-    and a tool message's call id, for the template."""
+def with_message_fields(rendered: dict[str, Any], message: ChatMessage, i: int) -> dict[str, Any]:
+    """The message's ``name``, an assistant's earlier tool calls (arguments as objects, as chat
+    templates expect them) and a tool message's call id, for the templates that render them."""
+    if message.name is not None:
+        rendered["name"] = message.name
     if message.tool_calls:
         rendered["tool_calls"] = [template_call(c.id, c.function.name, c.function.arguments,
                                                 f"messages[{i}].tool_calls[{j}].function.arguments")
@@ -165,9 +168,16 @@ async def build_chat_prompt(state: ServerState, req: ChatCompletionRequest, tool
     videos = await load_videos(state, video_refs) if video_refs else []
     text = render_chat(state.loaded, messages, tools.tools if tools else None)  # jinja: well under a millisecond
     grounding = bool(req.fovea and req.fovea.grounding)
+    options = EncodeOptions(req.add_special_tokens, low_detail(req.messages))
     if videos:
-        return await state.preprocessor.prompts(text, images, blank_twin=grounding, videos=videos)
-    return await state.preprocessor.prompts(text, images, blank_twin=grounding)
+        return await state.preprocessor.prompts(text, images, blank_twin=grounding, videos=videos, options=options)
+    return await state.preprocessor.prompts(text, images, blank_twin=grounding, options=options)
+
+
+def low_detail(messages: list[ChatMessage]) -> tuple[bool, ...]:
+    """Per image, in the order to_template_messages collects them: sent with detail "low"."""
+    return tuple(part.image_url.detail == "low" for message in messages if isinstance(message.content, list)
+                 for part in message.content if isinstance(part, ImageURLPart))
 
 
 def make_chat_router(state: ServerState) -> APIRouter:

@@ -6,6 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from fovea.model.prompt import render_chat
+from fovea.models.base import EncodeOptions
 from fovea.serve.chat import (
     check_model_name,
     load_image_bytes,
@@ -27,7 +28,8 @@ def make_completions_router(state: ServerState) -> APIRouter:
         images = await load_image_bytes(state, [(ref, f"images[{i}]") for i, ref in enumerate(req.images)])
         grounding = bool(req.fovea and req.fovea.grounding)
         prompt, twin = await state.preprocessor.prompts(req.prompt, images, template_rendered=False,
-                                                        blank_twin=grounding)
+                                                        blank_twin=grounding,
+                                                        options=EncodeOptions(req.add_special_tokens))
         return await respond(state, req, prompt, twin, fmt=TEXT)
 
     @router.post("/generate")

@@ -9,17 +9,47 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from fovea.errors import FoveaError
 
 log = logging.getLogger("fovea.serve")
 
 _FASTAPI_PARSE_ERROR = "There was an error parsing the body"
+# nginx's "client closed request": what a request whose client left while sending its body is
+# counted and logged as. Nobody reads the response.
+CLIENT_CLOSED = 499
 _HTTP_CODES = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 def error_body(message: str, code: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# Schema errors that name a key fovea does not take (or takes only as null): unsupported_parameter.
+UNSUPPORTED_TYPES = frozenset({"extra_forbidden", "unsupported_parameter"})
+
+
+def request_path(loc: tuple) -> list[str]:
+    """The path of the request key at pydantic's ``loc``, without the union labels pydantic puts
+    in it: branch names ("str", "TextPart", "list[tagged-union[...]]") and, after an index into
+    a tagged union's list, the item's tag ("content", <label>, 1, "text", "foo" is content[1].foo)."""
+    path: list[str] = []
+    tagged = tag_next = False
+    for p in loc:
+        p = str(p)
+        if p.isdigit():  # a list index, or a key such as logit_bias's "7"
+            path.append(p)
+            tag_next, tagged = tagged, False
+            continue
+        if tag_next:
+            tag_next = False
+            continue
+        if not p.isidentifier() or p[:1].isupper() or p in {"str", "int"}:
+            tagged = "tagged-union[" in p
+            continue
+        path.append(p)
+    return path
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -30,12 +60,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     # With unions (content: str | list[part]) pydantic reports one error per branch; the
     # deepest one is the branch the client meant.
     first = max(errors, key=lambda e: len(e.get("loc", ())))
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # Drop pydantic's union-branch labels ("TextPart", "str", "list[...]") from the path.
-    path = [p for p in loc if p.isdigit() or (p.isidentifier() and not p[:1].isupper() and p not in {"str", "int"})]
-    # A tagged union puts the tag before the field ("image_url", "image_url", "url"): drop the tag.
-    path = [p for i, p in enumerate(path) if not (i + 1 < len(path) and path[i + 1] == p and i > 0
-                                                  and path[i - 1].isdigit())]
+    loc = tuple(first.get("loc", ()))
+    path = request_path(loc[1:] if loc[:1] == ("body",) else loc)
     param = ""
     for part in path:
         param += f"[{part}]" if part.isdigit() else (f".{part}" if param else part)
@@ -46,6 +72,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"{param or 'a field'} is required", param or None
     more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return f"{param or 'request'}: {message}{more}", param or None
+
+
+def _client_closed() -> JSONResponse:
+    return JSONResponse(error_body("the client closed the connection before its request body arrived",
+                                   "client_disconnected"), status_code=CLIENT_CLOSED)
 
 
 def install_error_handlers(app: FastAPI, on_error_code: Callable[[str], None] | None = None) -> None:
@@ -59,16 +90,22 @@ def install_error_handlers(app: FastAPI, on_error_code: Callable[[str], None] | 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
-        # A key the schema forbids (stream_options.continuous_usage_stats, fovea.unknown) is a
+        # A key the schema forbids (stream_options.unknown, fovea.unknown) is a
         # parameter fovea does not support, never one it ignores.
-        forbidden = any(e.get("type") == "extra_forbidden" for e in exc.errors())
+        forbidden = any(e.get("type") in UNSUPPORTED_TYPES for e in exc.errors())
         if forbidden:
             message = f"{message}: fovea does not support this field; remove it (docs/api.md lists every field)"
         code = "unsupported_parameter" if forbidden else "invalid_request"
         return JSONResponse(error_body(message, code, param), status_code=400)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _disconnect(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        return _client_closed()  # one access line, counted; not a traceback
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's body parser wraps it in a 400
+            return _client_closed()
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         message = str(exc.detail)
         if exc.status_code == 400:

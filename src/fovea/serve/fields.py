@@ -75,7 +75,8 @@ FIELDS: tuple[Field, ...] = (
           "placeholder per entry of `images`", frozenset({COMPLETIONS})),
     Field("images", HONOURED, "fovea extension: the image references for the prompt's placeholders",
           frozenset({COMPLETIONS})),
-    Field("max_tokens", HONOURED, "the most tokens generated", example=2),
+    Field("max_tokens", HONOURED, "the most tokens generated; unset: what the server's per-sequence limit "
+          "(`max_model_len` in GET /v1/models) leaves after the prompt", example=2),
     Field("max_completion_tokens", HONOURED, "the same as `max_tokens` (wins when both are sent)", example=2),
     Field("temperature", HONOURED, "0 to 2; 0 is greedy; the default is the model's generation_config",
           example=1.5),
@@ -83,8 +84,10 @@ FIELDS: tuple[Field, ...] = (
     Field("seed", HONOURED, "seeds the sampler: the same seed gives the same answer", example=11),
     Field("stop", HONOURED, "up to 4 stop strings; the answer ends before the first one", example=[" and"]),
     Field("stream", HONOURED, "server-sent events ending with `data: [DONE]`", example=True),
-    Field("stream_options", HONOURED, "`{\"include_usage\": true}` adds a usage chunk; only with `stream: true` "
-          "(as vLLM); other keys are refused", example={"include_usage": True}),
+    Field("stream_options", HONOURED, "`{\"include_usage\": true}` adds a usage chunk; with "
+          "`\"continuous_usage_stats\": true` too, every chunk carries `usage` so far (vLLM; completion tokens "
+          "summed over the choices); only with `stream: true` (as vLLM); other keys are refused",
+          example={"include_usage": True}),
     Field("n", HONOURED, "1 to 128 choices, indexed 0..n-1 (streamed chunks name theirs); they share the prompt's KV "
           "blocks (the prefix cache); usage counts the prompt once and every choice's tokens; with `seed`, "
           "choice i is seeded `seed + i` (as vLLM), so choice 0 is the n=1 answer"),
@@ -106,6 +109,10 @@ FIELDS: tuple[Field, ...] = (
     Field("ignore_eos", HONOURED, "vLLM extension: end-of-sequence does not end the answer", example=True),
     Field("min_tokens", HONOURED, "vLLM extension: no end-of-sequence or stop string before this many tokens",
           example=6),
+    Field("add_special_tokens", HONOURED, "vLLM extension: `true` has the tokenizer add its special tokens (a "
+          "BOS) to the prompt, `false` adds none. Unset, completions get the tokenizer's default (a BOS where the "
+          "tokenizer adds one) and chat the template's own (no second BOS after a template that writes one); "
+          "`true` on chat adds them even then, as vLLM does. `/tokenize` reads it the same way", example=False),
     Field("fovea", HONOURED, "fovea extension: `{\"grounding\": true}` adds a per-request grounding score, "
           "`{\"timing\": true}` the request's encoder latency, time to first token and tokens/s",
           example={"grounding": True}),

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fovea.engine.image_encoder import ImageEncoder
-from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent, TokenLogprob
+from fovea.engine.request import (
+    ErrorEvent,
+    FinishEvent,
+    Submission,
+    TokenEvent,
+    TokenLogprob,
+    default_max_tokens,
+)
 from fovea.engine.sampling import SamplingParams
 from fovea.engine.structured.spec import GrammarSpec
 from fovea.errors import FoveaError, InvalidRequest
@@ -20,6 +27,7 @@ from fovea.guard.canary import KL_FLOOR
 from fovea.guard.grounding import answer_dependence
 from fovea.model.prompt import EncodedPrompt
 from fovea.serve import protocol
+from fovea.serve.event_stream import EventStream, sse
 from fovea.serve.logprobs_format import LogprobFormatter
 from fovea.serve.protocol import SamplingFields
 from fovea.serve.state import ServerState
@@ -42,8 +50,10 @@ def failure(error: BaseException) -> FoveaError:
 
 
 def sampling_params(state: ServerState, req: SamplingFields, prompt: EncodedPrompt) -> SamplingParams:
-    room = state.loaded.context_length - len(prompt.input_ids)
-    max_tokens = req.max_completion_tokens or req.max_tokens or max(1, room)
+    # Unset: what the server's per-sequence limit leaves after the prompt (refused only when the
+    # prompt itself leaves nothing), never the model's context, which --max-model-len may undercut.
+    max_tokens = req.max_completion_tokens or req.max_tokens or \
+        default_max_tokens(len(prompt.input_ids), state.engine.max_context)
     if req.min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({req.min_tokens}) is larger than max_tokens ({max_tokens}).",
                              param="min_tokens")
@@ -195,10 +205,12 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
         raise InvalidRequest("fovea.grounding scores one answer; send n=1 with it.", param="n")
     twin = blank_twin if grounding else None
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(state, req, prompt, params, rid, include_usage, grounding, twin, fmt),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        submission = state.engine.submit(prompt, params, rid)  # refused (429) here, before the stream's 200
+        options = req.stream_options
+        usage = StreamUsage(params.n, bool(options and options.include_usage),
+                            bool(options and options.include_usage and options.continuous_usage_stats))
+        return EventStream(_stream(state, req, prompt, params, rid, submission, usage, grounding, twin, fmt),
+                           on_close=submission.cancel)
     answers = await run_choices(state, prompt, params, rid)
     finishes = [a.finish for a in answers]
     extra = extension(state, req, prompt, finishes[0])
@@ -210,57 +222,96 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     return JSONResponse(fmt.response(rid, state.model_name, choices, total_usage(finishes), extra or None))
 
 
-def _sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
+class StreamUsage:
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage; with
+    ``continuous_usage_stats`` too (vLLM) every chunk carries the usage so far, the completion
+    tokens summed over the choices."""
+
+    def __init__(self, n: int, final: bool, continuous: bool) -> None:
+        self.final, self.continuous = final, continuous
+        self.prompt_tokens = 0
+        self.completion = [0] * n
+
+    def on_token(self, event: TokenEvent) -> None:
+        if event.token_id >= 0:  # a flush of held-back text is no token
+            self.completion[event.index] += 1
+
+    def on_finish(self, event: FinishEvent) -> None:
+        self.prompt_tokens = event.prompt_tokens
+        self.completion[event.index] = event.completion_tokens  # the engine's own count wins
+
+    def stamp(self, chunk: dict) -> dict:
+        if self.continuous:
+            chunk["usage"] = protocol.usage(self.prompt_tokens, sum(self.completion))
+        return chunk
 
 
 async def _stream(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, params: SamplingParams, rid: str,
-                  include_usage: bool, grounding: bool, twin: EncodedPrompt | None,
+                  submission: Submission, usage: StreamUsage, grounding: bool, twin: EncodedPrompt | None,
                   fmt: Format) -> AsyncIterator[str]:
     """Each chunk names its choice; a chunk carries the log-probabilities of the token whose text
-    it carries (a token whose text is held back for a stop string gets a chunk of its own)."""
+    it carries (a token whose text is held back for a stop string gets a chunk of its own).
+
+    The stream began with 200: whatever fails from here on ends it with an OpenAI-style error
+    event and ``[DONE]``, and no chunk carries a finish_reason, so a cut answer never looks finished."""
+    usage.prompt_tokens = len(prompt.input_ids)
+    try:
+        async with aclosing(_chunks(state, req, prompt, params, rid, submission, usage, grounding, twin,
+                                    fmt)) as chunks:
+            async for chunk in chunks:
+                yield sse(chunk)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes the stream's error event
+        error = failure(exc)
+        if not isinstance(exc, FoveaError):
+            log.exception("%s: the stream failed after it began", rid)
+        state.metrics.observe_error_code(error.code)
+        yield sse(error.to_body())
+    yield sse("[DONE]")
+
+
+async def _chunks(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, params: SamplingParams, rid: str,
+                  submission: Submission, usage: StreamUsage, grounding: bool, twin: EncodedPrompt | None,
+                  fmt: Format) -> AsyncIterator[dict | str]:
+    """The stream's chunks, in order; an error event (a dict with ``error``) is passed as it is."""
     created, model = int(time.time()), state.model_name
     formatters = [LogprobFormatter(state.loaded.tokenizer, fmt.kind) for _ in range(params.n)] \
         if params.logprobs is not None else None
     for index in range(params.n):
         first = fmt.first(rid, model, created, index)
         if first is not None:
-            yield _sse(first)
+            yield usage.stamp(first)
     finishes: list[FinishEvent] = []
-    async for event in state.engine.generate(prompt, params, rid):
-        if isinstance(event, TokenEvent):
-            logprobs = formatters[event.index].format([event.logprob]) \
-                if formatters is not None and event.logprob is not None else None
-            for chunk in fmt.on_text(rid, model, created, event.text, event.index, logprobs):
-                yield _sse(chunk)
-        elif isinstance(event, FinishEvent):
-            state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
-            log_finish(state, prompt, event, rid)
-            try:
-                *before, last = fmt.on_finish(rid, model, created, event.finish_reason, event.index)
-            except FoveaError as error:  # streamed tool-call pieces that are no call: never a wrong one
-                state.metrics.observe_error_code(error.code)
-                yield _sse(error.to_body())
-                continue
-            for chunk in before:
-                yield _sse(chunk)
-            extra = extension(state, req, prompt, event)
-            if grounding:
-                extra["grounding"] = await grounding_report(state, prompt, twin, event.text)
-            if extra:
-                last["fovea"] = extra
-            yield _sse(last)
-            finishes.append(event)
-            if include_usage and len(finishes) == params.n:
-                chunk = fmt.delta(rid, model, created, "")
-                chunk["choices"] = []
-                chunk["usage"] = total_usage(finishes)
-                yield _sse(chunk)
-        elif isinstance(event, ErrorEvent):
-            # The stream already began with 200: it ends with an OpenAI-style error event and
-            # [DONE], and no chunk carries a finish_reason, so a truncated answer never looks finished.
-            error = failure(event.error)
-            state.metrics.observe_error_code(error.code)
-            yield _sse(error.to_body())
-    yield _sse("[DONE]")
+    async with aclosing(submission.events()) as events:
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                usage.on_token(event)
+                logprobs = formatters[event.index].format([event.logprob]) \
+                    if formatters is not None and event.logprob is not None else None
+                for chunk in fmt.on_text(rid, model, created, event.text, event.index, logprobs):
+                    yield usage.stamp(chunk)
+            elif isinstance(event, FinishEvent):
+                usage.on_finish(event)
+                state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
+                log_finish(state, prompt, event, rid)
+                try:
+                    *before, last = fmt.on_finish(rid, model, created, event.finish_reason, event.index)
+                except FoveaError as error:  # streamed tool-call pieces that are no call: never a wrong one
+                    state.metrics.observe_error_code(error.code)
+                    yield error.to_body()
+                    continue
+                for chunk in before:
+                    yield usage.stamp(chunk)
+                extra = extension(state, req, prompt, event)
+                if grounding:
+                    extra["grounding"] = await grounding_report(state, prompt, twin, event.text)
+                if extra:
+                    last["fovea"] = extra
+                yield usage.stamp(last)
+                finishes.append(event)
+                if usage.final and len(finishes) == params.n:
+                    chunk = fmt.delta(rid, model, created, "")
+                    chunk["choices"] = []
+                    chunk["usage"] = total_usage(finishes)
+                    yield chunk
+            elif isinstance(event, ErrorEvent):
+                raise failure(event.error)

@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse
 
 PLAYGROUND_DIR = Path(__file__).resolve().parent / "playground"
 PAGES = {"/": ("index.html", "text/html; charset=utf-8"),
+         "/playground/grounding.js": ("grounding.js", "text/javascript; charset=utf-8"),
          "/playground/app.js": ("app.js", "text/javascript; charset=utf-8")}
 
 

@@ -32,11 +32,12 @@ from typing import Any
 import torch
 from PIL import Image
 
+from fovea.disagg.parent_watch import exit_with_parent
 from fovea.errors import FoveaError
 from fovea.media import MediaConfig, decode_image_bytes
 from fovea.media.video import DecodedVideo, decode_video_bytes
 from fovea.model.contract import fingerprint, recipe_of
-from fovea.models.base import EncodedPrompt, PromptCodec
+from fovea.models.base import DEFAULT_OPTIONS, EncodedPrompt, EncodeOptions, PromptCodec
 
 log = logging.getLogger("fovea.serve")
 
@@ -74,9 +75,11 @@ def decode_videos(model: PromptCodec, media: MediaConfig, videos: list[tuple[byt
 
 def build_prompts(model: PromptCodec, media: MediaConfig, reduce_to: int | None, text: str,
                   images: list[tuple[bytes, str]], template_rendered: bool,
-                  blank_twin: bool, videos: list[tuple[bytes, str]] = ()) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+                  blank_twin: bool, videos: list[tuple[bytes, str]] = (),
+                  options: EncodeOptions = DEFAULT_OPTIONS) -> tuple[EncodedPrompt, EncodedPrompt | None]:
     """Decode each image and video (a refusal names ``where``, its request path) and encode the
-    prompt, and with ``blank_twin`` the same prompt with blank images and videos."""
+    prompt, and with ``blank_twin`` the same prompt with blank images and videos (both with the
+    request's ``options``)."""
     decoded = []
     for data, where in images:
         try:
@@ -86,14 +89,14 @@ def build_prompts(model: PromptCodec, media: MediaConfig, reduce_to: int | None,
             raise
     clips = decode_videos(model, media, list(videos)) if videos else []
     extra = {"videos": clips} if clips else {}
-    prompt = model.encode(text, decoded, template_rendered=template_rendered, **extra)
+    prompt = model.encode(text, decoded, template_rendered=template_rendered, options=options, **extra)
     twin = None
     if blank_twin and (decoded or clips):
         blanks = [Image.new("RGB", im.size, (255, 255, 255)) for im in decoded]
         if clips:
             extra = {"videos": [DecodedVideo([Image.new("RGB", f.size, (255, 255, 255)) for f in c.frames],
                                              c.indices, c.total_frames, c.source_fps) for c in clips]}
-        twin = model.encode(text, blanks, template_rendered=template_rendered, **extra)
+        twin = model.encode(text, blanks, template_rendered=template_rendered, options=options, **extra)
     return prompt, twin
 
 
@@ -105,16 +108,18 @@ _WORKER: tuple[PromptCodec, MediaConfig, int | None, str] | None = None
 
 def _init_worker(codec: bytes, recipe_fields: tuple[str, ...], media: MediaConfig, reduce_to: int | None) -> None:
     global _WORKER
+    exit_with_parent()  # a server killed with SIGKILL leaves no preprocessing worker behind
     torch.set_num_threads(1)  # one core per worker: the pool is the parallelism
     model = pickle.loads(codec)
     _WORKER = (model, media, reduce_to, codec_fingerprint(model, recipe_fields))
 
 
 def _work(text: str, images: list[tuple[bytes, str]], template_rendered: bool, blank_twin: bool,
-          videos: list[tuple[bytes, str]] = ()):
+          videos: list[tuple[bytes, str]] = (), options: EncodeOptions = DEFAULT_OPTIONS):
     assert _WORKER is not None, "worker not initialised"
     model, media, reduce_to, recipe = _WORKER
-    return (*build_prompts(model, media, reduce_to, text, images, template_rendered, blank_twin, videos), recipe)
+    return (*build_prompts(model, media, reduce_to, text, images, template_rendered, blank_twin, videos, options),
+            recipe)
 
 
 def _ping() -> str:
@@ -195,37 +200,40 @@ class Preprocessor:
                                       f"model contract's {self.fingerprint}; refusing to start")
 
     async def prompts(self, text: str, images: list[tuple[bytes, str]], *, template_rendered: bool = True,
-                      blank_twin: bool = False, videos: list[tuple[bytes, str]] = ()
-                      ) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+                      blank_twin: bool = False, videos: list[tuple[bytes, str]] = (),
+                      options: EncodeOptions = DEFAULT_OPTIONS) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+        """The prompt (and with ``blank_twin`` its twin with blank images); ``options``: the
+        request's add_special_tokens and per-image detail."""
         large = sum(p for p in (header_pixels(data) for data, _ in images) if p > self.media.large_image_pixels)
         # A video's decoded frames: at most max_video_frames of max_video_frame_pixels each, RGB.
         large += len(videos) * self.media.max_video_frames * self.media.max_video_frame_pixels * 3 \
             // DECODE_BYTES_PER_PIXEL
         if large:
             async with self.large.hold(large * DECODE_BYTES_PER_PIXEL):
-                return await self._run(text, images, template_rendered, blank_twin, videos)
-        return await self._run(text, images, template_rendered, blank_twin, videos)
+                return await self._run(text, images, template_rendered, blank_twin, videos, options)
+        return await self._run(text, images, template_rendered, blank_twin, videos, options)
 
     async def _run(self, text: str, images: list[tuple[bytes, str]], template_rendered: bool,
-                   blank_twin: bool, videos: list[tuple[bytes, str]] = ()) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+                   blank_twin: bool, videos: list[tuple[bytes, str]] = (),
+                   options: EncodeOptions = DEFAULT_OPTIONS) -> tuple[EncodedPrompt, EncodedPrompt | None]:
         started = time.perf_counter()
         try:
-            return await self._build(text, images, template_rendered, blank_twin, videos)
+            return await self._build(text, images, template_rendered, blank_twin, videos, options)
         finally:
             seconds = time.perf_counter() - started
             if seconds > SLOW_S:
                 log.warning("preparing a request's prompt (%d image(s)) took %.2f s", len(images), seconds)
 
     async def _build(self, text: str, images: list[tuple[bytes, str]], template_rendered: bool,
-                     blank_twin: bool, videos: list[tuple[bytes, str]] = ()
-                     ) -> tuple[EncodedPrompt, EncodedPrompt | None]:
+                     blank_twin: bool, videos: list[tuple[bytes, str]] = (),
+                     options: EncodeOptions = DEFAULT_OPTIONS) -> tuple[EncodedPrompt, EncodedPrompt | None]:
         if self.pool is None:  # this process's own processor: the contract checked it at start-up
             return await asyncio.to_thread(build_prompts, self.model, self.media, self.reduce_to, text, images,
-                                           template_rendered, blank_twin, videos)
+                                           template_rendered, blank_twin, videos, options)
         loop = asyncio.get_running_loop()
         try:
             prompt, twin, recipe = await loop.run_in_executor(self.pool, _work, text, images, template_rendered,
-                                                              blank_twin, videos)
+                                                              blank_twin, videos, options)
         except BrokenProcessPool:
             # A worker died (killed for memory, say): this request fails loudly, the next gets new workers.
             log.exception("a preprocessing worker died; starting new ones")

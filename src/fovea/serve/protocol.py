@@ -6,7 +6,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from fovea.engine.sampling import MAX_LOGPROBS
 from fovea.errors import InvalidRequest
@@ -15,31 +16,45 @@ from fovea.serve import fields
 MAX_N = 128  # OpenAI's limit on choices per request
 
 
-class _Lenient(BaseModel):
-    # OpenAI clients send fields fovea does not use (user, logprobs=false, ...): ignore them.
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    # A key inside a message or a part that fovea does not take is a 400 unsupported_parameter
+    # naming its path, as an unknown top-level field is: never ignored (docs/api.md, "Nested keys").
+    model_config = ConfigDict(extra="forbid")
 
 
-class TextPart(_Lenient):
+def null_only(value: Any) -> None:
+    """A key OpenAI's SDK types that fovea has no use for: accepted as null, which changes nothing;
+    any other value is refused (error type unsupported_parameter, at the key's path)."""
+    if value is not None:
+        raise PydanticCustomError("unsupported_parameter", "fovea takes this key only as null (it has no use for "
+                                  "it); remove it")
+    return None
+
+
+NullOnly = Annotated[Any, BeforeValidator(null_only)]
+
+
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Lenient):
+class ImageURL(_Strict):
     url: str = Field(min_length=1)
+    # Honoured by dynamic-resolution families (low: at most LOW_DETAIL_PIXELS); no effect on fixed-resolution ones.
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImageURLPart(_Lenient):
+class ImageURLPart(_Strict):
     type: Literal["image_url"]
     image_url: ImageURL
 
 
-class VideoURL(_Lenient):
+class VideoURL(_Strict):
     url: str = Field(min_length=1)
 
 
-class VideoURLPart(_Lenient):
+class VideoURLPart(_Strict):
     """A video (models that take them: Qwen2.5-VL): a data:video/...;base64 URL or an allowed
     file:// / http(s):// URL, by the image sources' rules."""
 
@@ -63,17 +78,22 @@ class ToolCall(BaseModel):
     function: ToolCallFunction
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], Field(min_length=1)] | None = None
-    name: str | None = None
+    name: str | None = None  # the participant's name, for chat templates that render it
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # Typed by OpenAI's SDK for assistant messages; fovea's templates have no place for them.
+    refusal: NullOnly = None
+    audio: NullOnly = None
+    function_call: NullOnly = None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # continuous_usage_stats and the like are refused
+    model_config = ConfigDict(extra="forbid")  # other keys are refused
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, every chunk carries the usage so far
 
 
 class FoveaOptions(BaseModel):
@@ -84,7 +104,10 @@ class FoveaOptions(BaseModel):
     timing: bool = False  # the response's fovea.timing: encoder latency, time to first token, tokens/s
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(BaseModel):
+    # fields.check_body has refused every top-level field not in the table before this runs.
+    model_config = ConfigDict(extra="ignore")
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -108,6 +131,9 @@ class SamplingFields(_Lenient):
     # Token id (a string of digits, as JSON keys are) -> bias added to its logit.
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     fovea: FoveaOptions | None = None
+    # vLLM's extension: whether the tokenizer adds its special tokens (a BOS) to the prompt; None:
+    # chat's template writes them (no second BOS), a raw prompt gets the tokenizer's default.
+    add_special_tokens: bool | None = Field(default=None, strict=True)
     # Structured outputs (checked and compiled by serve/structured.py).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

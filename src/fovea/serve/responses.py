@@ -10,15 +10,16 @@ built as the tokens arrive (serve/responses_output.py). A response is kept only 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
+from fovea.engine.request import ErrorEvent, FinishEvent, Submission, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.media.errors import ImageNotFound
@@ -30,6 +31,7 @@ from fovea.serve.chat import (
     refuse_typed_placeholder,
     refuse_typed_video_token,
 )
+from fovea.serve.event_stream import EventStream
 from fovea.serve.fields import UnsupportedParameter
 from fovea.serve.generation import failure, log_finish, sampling_params
 from fovea.serve.logprobs_format import LogprobFormatter
@@ -49,6 +51,8 @@ from fovea.serve.responses_tools import call_turn, check_tool_turns, output_turn
 from fovea.serve.state import ServerState
 from fovea.serve.structured import compile_spec, refuse_with_tools, text_format_grammar
 from fovea.serve.tools import call_grammar, template_call
+
+log = logging.getLogger("fovea.request")
 
 FROM_PREVIOUS = "previous_response_id"  # the request path named for a refusal in a stored turn
 
@@ -192,8 +196,8 @@ def make_responses_router(state: ServerState, store: ResponseStore | None = None
         run = Run(state, store, req, turns, params, tools is not None, bool(req.stream) and tools is not None
                   and spec is not None)
         if req.stream:
-            return StreamingResponse(run.stream(prompt), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            submission = state.engine.submit(prompt, params, run.rid)  # a 429 comes here, before the 200
+            return EventStream(run.stream(prompt, submission), on_close=submission.cancel)
         return JSONResponse(await run.collect(prompt))
 
     @router.get("/v1/responses/{response_id}")
@@ -236,13 +240,16 @@ class Run:
             self.store.put(self.rid, body, [*stored_turns(self.turns), answer_turn(self.output.items)])
         return body
 
-    async def events(self, prompt: EncodedPrompt) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """The stream's events after response.in_progress; the last is the final Response's."""
+    async def events(self, prompt: EncodedPrompt, submission: Submission | None = None
+                     ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """The stream's events after response.in_progress; the last is the final Response's.
+        ``submission``: the request already on the engine's queue (None: it is submitted here)."""
         state = self.state
+        submission = submission or state.engine.submit(prompt, self.params, self.rid)
         for item in self.output.start():
             yield item
         # Closed at once when the consumer stops (a client gone): the engine cancels the request.
-        async with aclosing(state.engine.generate(prompt, self.params, self.rid)) as updates:
+        async with aclosing(submission.events()) as updates:
             async for update in updates:
                 if isinstance(update, TokenEvent):
                     for item in self.output.on_token(update):
@@ -265,17 +272,20 @@ class Run:
                 last = fields
         return last["response"]
 
-    async def stream(self, prompt: EncodedPrompt) -> AsyncIterator[str]:
+    async def stream(self, prompt: EncodedPrompt, submission: Submission) -> AsyncIterator[str]:
         event = EventWriter()
         yield event("response.created", response=self.body())
         yield event("response.in_progress", response=self.body())
         try:
-            async with aclosing(self.events(prompt)) as events:
+            async with aclosing(self.events(prompt, submission)) as events:
                 async for kind, fields in events:
                     yield event(kind, **fields)
-        except FoveaError as error:
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the stream's error event
             # The stream began with 200: it ends with an error event and response.failed, and
             # no response.completed, so a cut answer never looks finished.
+            error = failure(exc)
+            if not isinstance(exc, FoveaError):
+                log.exception("%s: the stream failed after it began", self.rid)
             self.state.metrics.observe_error_code(error.code)
             yield event("error", code=error.code, message=error.message, param=error.param)
             yield event("response.failed", response=self.body(

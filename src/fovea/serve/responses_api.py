@@ -16,41 +16,52 @@ from fovea.serve.fields import UnsupportedParameter
 from fovea.serve.responses_fields import LOGPROBS_INCLUDE
 
 
-class _Lenient(BaseModel):
-    # Keys inside items and parts that fovea does not use (an item's id or status) are ignored,
-    # as chat ignores them inside messages (docs/api.md, "Scope").
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    # A key inside an item or a part that fovea does not take is a 400 unsupported_parameter
+    # naming its path, as in chat's messages (docs/api.md, "Nested keys").
+    model_config = ConfigDict(extra="forbid")
 
 
-class InputText(_Lenient):
+class _OutputItem(_Strict):
+    # An earlier response's output items sent back as input (`input += response.output`, as
+    # OpenAI's guides do) carry their id and status: accepted, no effect.
+    id: str | None = None
+    status: str | None = None
+
+
+class InputText(_Strict):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Lenient):
-    """An earlier answer sent back as input (an assistant message's content)."""
+class OutputText(_Strict):
+    """An earlier answer sent back as input (an assistant message's content); its annotations
+    and log-probabilities describe that answer and change nothing."""
 
     type: Literal["output_text"]
     text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
 
 
-class InputImage(_Lenient):
+class InputImage(_Strict):
     type: Literal["input_image"]
     image_url: str | None = None
     file_id: str | None = None
-    detail: Literal["auto", "low", "high", "original"] | None = None  # fovea sends every image whole
+    # As chat's image_url.detail: low caps a dynamic-resolution family's image; "original" is "high".
+    detail: Literal["auto", "low", "high", "original"] | None = None
 
 
 Part = Annotated[InputText | InputImage | OutputText, Field(discriminator="type")]
 
 
-class InputMessage(_Lenient):
+class InputMessage(_OutputItem):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | Annotated[list[Part], Field(min_length=1)]
 
 
-class FunctionCallItem(_Lenient):
+class FunctionCallItem(_OutputItem):
     """An earlier answer's function call sent back as input (serve/responses_tools.py renders it)."""
 
     type: Literal["function_call"]
@@ -59,7 +70,7 @@ class FunctionCallItem(_Lenient):
     arguments: str  # JSON, as the answer gave it
 
 
-class FunctionCallOutputItem(_Lenient):
+class FunctionCallOutputItem(_OutputItem):
     """A function's result for the call ``call_id``: text, or a list of ``input_text`` parts."""
 
     type: Literal["function_call_output"]

@@ -1,7 +1,8 @@
 """POST /tokenize and POST /detokenize in vLLM's shapes.
 
 /tokenize gives the ids the engine would run: a ``prompt`` as /v1/completions reads it (with
-``images`` for its placeholders), or ``messages`` as /v1/chat/completions renders them. Each
+``images`` for its placeholders), or ``messages`` as /v1/chat/completions renders them, with
+``add_special_tokens`` read as those endpoints read it. Each
 image counts as the placeholder tokens the model's codec expands it to, so ``count`` is the
 ``usage.prompt_tokens`` the same request would report.
 """
@@ -14,6 +15,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fovea.errors import InvalidRequest
+from fovea.models.base import EncodeOptions
 from fovea.serve.chat import build_chat_prompt, check_model_name, load_image_bytes
 from fovea.serve.protocol import ChatCompletionRequest, ChatMessage
 from fovea.serve.state import ServerState
@@ -29,6 +31,8 @@ class TokenizeRequest(_Strict):
     images: list[str] = Field(default_factory=list, description="fovea extension: images for the prompt")
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     return_token_strs: bool = False
+    # As the same request to chat or completions: None is their default (docs/api.md).
+    add_special_tokens: bool | None = Field(default=None, strict=True)
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -55,10 +59,12 @@ def make_tokenize_router(state: ServerState) -> APIRouter:
     async def tokenize(req: TokenizeRequest):
         check_model_name(state, req.model)
         if req.messages is not None:
-            prompt, _ = await build_chat_prompt(state, ChatCompletionRequest(messages=req.messages))
+            chat = ChatCompletionRequest(messages=req.messages, add_special_tokens=req.add_special_tokens)
+            prompt, _ = await build_chat_prompt(state, chat)
         else:
             images = await load_image_bytes(state, [(ref, f"images[{i}]") for i, ref in enumerate(req.images)])
-            prompt, _ = await state.preprocessor.prompts(req.prompt, images, template_rendered=False)
+            prompt, _ = await state.preprocessor.prompts(req.prompt, images, template_rendered=False,
+                                                         options=EncodeOptions(req.add_special_tokens))
         tokens = [int(t) for t in prompt.input_ids]
         strs = loaded.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
         return {"count": len(tokens), "max_model_len": max_model_len(), "tokens": tokens, "token_strs": strs}

@@ -34,7 +34,7 @@ class PagedEngineConfig:
     max_num_batched_tokens: int | None = None
     # Sequences in the running batch at once. None: 256 on CUDA, 16 on CPU.
     max_num_seqs: int | None = None
-    max_queue: int = 256  # requests waiting beyond this are refused with 429
+    max_queue: int | None = None  # requests waiting beyond this are refused with 429; None: unbounded
     max_model_len: int | None = None  # None: the model's context length
     # The memory plan (memory_planner.py). CUDA: the share of the device this process may hold
     # (None: 0.9), at most what is free. kv_cache_memory: the KV cache's exact size in bytes,
@@ -63,7 +63,7 @@ class PagedEngineConfig:
     encoder_cache_bytes: int = 256 * MiB
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.max_queue < 1 or self.vision_batch_size < 1:
+        if self.block_size < 1 or (self.max_queue or 1) < 1 or self.vision_batch_size < 1:
             raise ValueError("block_size, max_queue and vision_batch_size must be positive")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be above 0 and at most 1")

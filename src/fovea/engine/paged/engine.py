@@ -1,6 +1,7 @@
 """PagedEngine: the Engine interface over continuous batching and a paged KV cache.
 
-``generate`` puts a request on a bounded queue (429 when full) and streams its events.
+``submit`` puts a request on the queue (429 at once when ``max_queue`` is set and reached) and
+``generate`` streams its events.
 One worker thread runs the step loop: take new requests, schedule, embed newly admitted
 prompts, launch one forward and its sampling, then emit the previous step's tokens while the
 GPU runs this one. It blocks on the queue only when it has nothing to do.
@@ -34,7 +35,7 @@ from fovea.engine.request import (
     Event,
     check_fits_context,
     check_token_ids,
-    submit_and_stream,
+    Submission,
 )
 from fovea.engine.sampling import SamplingParams
 from fovea.engine.structured.spec import StructuredOutputError
@@ -72,7 +73,7 @@ class PagedEngine:
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_batched_tokens,
                                    self.config.max_num_seqs, self.runner.max_prefill_tokens)
-        self._queue: queue.Queue[EngineRequest | None] = queue.Queue(maxsize=self.config.max_queue)
+        self._queue: queue.Queue[EngineRequest | None] = queue.Queue(maxsize=self.config.max_queue or 0)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._next_id = 0
@@ -132,25 +133,35 @@ class PagedEngine:
 
     @property
     def max_context(self) -> int:
+        """The per-sequence token limit (prompt and answer together): --max-model-len (at most
+        the model's context) or what the KV cache holds for one sequence, whichever is smaller."""
         return min(self.config.max_model_len, self.block_manager.num_blocks * self.config.block_size)
 
     # ---- requests -------------------------------------------------------------------
     def check_fits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
         check_fits_context(prompt, params, self.loaded.context_length, self.max_context)
         check_token_ids(params, self.vocab_size)
-        if params.n > self.config.max_queue:
+        if self.config.max_queue is not None and params.n > self.config.max_queue:
             raise InvalidRequest(f"n={params.n} choices would not fit this server's queue of {self.config.max_queue} "
                                  "requests (--max-queue); ask for fewer.", param="n")
 
-    async def generate(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
-                       want_first_logprobs: bool = False) -> AsyncIterator[Event]:
-        """Stream the events of one request; cancel it if the consumer stops early."""
+    def submit(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
+               want_first_logprobs: bool = False) -> Submission:
+        """Queue one request now, or refuse it now (400 for one that cannot fit, 429 when the
+        queue is full); its events come from the returned ``Submission.events()``."""
         if self._dead is not None:
             raise EngineStopped(f"the engine worker died: {type(self._dead).__name__}: {self._dead}")
         self.check_fits(prompt, params)
-        async for event in submit_and_stream(self._queue, self.config.max_queue, prompt, params, request_id,
-                                             want_first_logprobs):
-            yield event
+        return Submission(self._queue, self.config.max_queue, prompt, params, request_id, want_first_logprobs)
+
+    async def generate(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
+                       want_first_logprobs: bool = False) -> AsyncIterator[Event]:
+        """Stream the events of one request (submitted at the first ``__anext__``); cancel it if
+        the consumer stops early."""
+        submission = self.submit(prompt, params, request_id, want_first_logprobs)
+        async with contextlib.aclosing(submission.events()) as events:
+            async for event in events:
+                yield event
 
     # ---- worker ---------------------------------------------------------------------
     def _loop(self) -> None:

@@ -60,6 +60,24 @@ HELD_WHILE_SIZING = ("weights", "engine tensors", "vision graphs")  # allocated 
 HELD = (*HELD_WHILE_SIZING, "decode graphs", "kv_cache")  # allocated once start-up is done
 
 
+def gpu_share_off_gpu(device: str) -> MemoryPlanError:
+    """The refusal of --gpu-memory-utilization for an engine that runs on the host."""
+    return MemoryPlanError(f"--gpu-memory-utilization applies to a GPU, and this engine runs on {device}; size the "
+                           "KV cache with --kv-cache-memory instead.")
+
+
+def host_available_bytes() -> int | None:
+    """Memory this host can still give (Linux's MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class Planner:
     def __init__(self, runner: ModelRunner, shape: KVShape) -> None:
         self.runner = runner
@@ -82,8 +100,8 @@ class Planner:
             free, total = self.meter.free_total()
             raise MemoryPlanError(
                 f"the start-up profile ran out of memory on {self.device} ({str(exc).splitlines()[0][:160]}); "
-                f"{gib(free)} of {gib(total)} is free. Lower --max-batched-tokens or --max-batch-size, or free "
-                "the GPU.") from None
+                f"{gib(free)} of {gib(total)} is free. Lower --max-batched-tokens, --max-batch-size or "
+                "--vision-batch-size, or free the GPU.") from None
 
     def _request(self, exact: int | None) -> KVRequest:
         cfg, bs = self.config, self.runner.block_size
@@ -112,8 +130,7 @@ class Planner:
     def _plan_host(self) -> MemoryPlan:
         cfg = self.config
         if cfg.gpu_memory_utilization is not None:  # refused, not ignored: host memory is not shared out
-            raise MemoryPlanError(f"--gpu-memory-utilization applies to a GPU, and this engine runs on "
-                                  f"{self.device}; size the KV cache with --kv-cache-memory instead.")
+            raise gpu_share_off_gpu(str(self.device))
         per_block = self.shape.bytes_per_block
         if cfg.num_blocks is not None:
             blocks, how = cfg.num_blocks, "fixed block count"
@@ -124,6 +141,10 @@ class Planner:
             if blocks < 1:
                 raise MemoryPlanError(f"--kv-cache-memory {kv_bytes} bytes holds no KV block ({per_block} bytes "
                                       "each); raise it.")
+            available = host_available_bytes()
+            if available is not None and blocks * per_block > available:
+                raise MemoryPlanError(f"--kv-cache-memory {gib(kv_bytes)} is more than this host has available "
+                                      f"({gib(available)}); lower it.")
         lines = [self._weights(),
                  PlanLine("kv_cache", (blocks + 1) * per_block, f"{blocks} blocks of {self.runner.block_size} tokens: "
                           f"{how}"), *self._caches()]

@@ -13,12 +13,12 @@ from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent, TokenLo
 from fovea.engine.sampling import make_generator
 
 
-def start_grammar(compiled):
+def start_grammar(grammar):
     """A matcher for a structured request's grammar (xgrammar is imported only when one is used)."""
-    if compiled is None:
+    if grammar is None:
         return None
     from fovea.engine.structured.matcher import GrammarState
-    return GrammarState(compiled)
+    return GrammarState(grammar)
 
 
 class SeqStatus(enum.Enum):

@@ -35,6 +35,8 @@ def fill_masks(states: list, compact: torch.Tensor) -> None:
     if _batch_matcher is None:
         _batch_matcher = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 2)))
     _batch_matcher.batch_fill_next_token_bitmask([state.matcher for state in states], compact)
+    for k, state in enumerate(states):
+        state.drop_dead_ends(compact, k)
 
 
 def structured_rows(seqs: Seq) -> list[int]:
@@ -55,8 +57,9 @@ def apply_grammar_masks_(logits: torch.Tensor, seqs: Seq) -> None:
     fill_masks([seqs[row].grammar for row in rows], compact)
     empty = (compact == 0).all(dim=-1)
     for k in empty.nonzero().flatten().tolist():
-        # No token can go on. Raising here would fail the whole batch: the row samples unmasked
-        # and its matcher refuses that token when it reaches the host, failing this sequence only.
+        # No token can go on (only past a dead-end search that ran out of steps). Raising here
+        # would fail the whole batch: the row samples unmasked and its matcher refuses that
+        # token when it reaches the host, failing this sequence only.
         seqs[rows[k]].grammar.dead = True
         compact[k] = -1
     if on_cuda:

@@ -5,6 +5,9 @@ threads, never on the event loop or the engine's worker. Concurrent requests for
 source share one compilation. ``TokenizerInfo`` (each token's bytes, for xgrammar) is built
 once per model, with the LM head's row count: rows past the tokenizer's vocabulary (padding)
 are tokens no grammar allows, so they are always masked.
+
+What it hands out is a ``Grammar``: the compiled grammar, and whether this vocabulary can begin
+words it cannot finish (``dead_ends``), which the masks then check for.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import concurrent.futures
 import json
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import xgrammar as xgr
 
+from fovea.engine.structured.dead_ends import Budget, can_finish, spells_every_byte
 from fovea.engine.structured.spec import GrammarSpec
 from fovea.errors import InvalidRequest
 
@@ -47,6 +52,13 @@ def _literal(text: str) -> str:
     return "".join("\\" + c if c in _META else c for c in text)
 
 
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    compiled: xgr.CompiledGrammar
+    vocab_size: int  # the LM head's rows, the masks' width
+    dead_ends: bool  # not every byte is a token: an allowed token may have no way to the end
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
                  capacity: int = DEFAULT_CAPACITY, threads: int = 2) -> None:
@@ -55,10 +67,11 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=list(stop_token_ids))
+        self.dead_ends = not spells_every_byte(self.info)
         # xgrammar's own cache is off: this one is bounded by entries and keyed by our canonical source.
         self._xgr = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self.capacity = capacity
-        self._lru: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._lru: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._pending: dict[tuple[str, str], concurrent.futures.Future] = {}
         # Re-entrant: a compilation that is already done when its callback is attached (in
         # _future, under the lock) runs _store at once, in the same thread.
@@ -66,11 +79,11 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fovea-grammar")
         self.compiled = 0  # compilations run (cache misses)
 
-    async def get(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    async def get(self, spec: GrammarSpec) -> Grammar:
         """The compiled grammar, from the cache or compiled on this compiler's threads."""
         return await asyncio.wrap_future(self._future(spec))
 
-    def get_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def get_now(self, spec: GrammarSpec) -> Grammar:
         """The same, blocking (benchmarks, tests)."""
         return self._future(spec).result()
 
@@ -97,15 +110,16 @@ class GrammarCompiler:
                 while len(self._lru) > self.capacity:
                     self._lru.popitem(last=False)
 
-    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def _compile(self, spec: GrammarSpec) -> Grammar:
         self.compiled += 1
         try:
             compiled = self._compile_source(spec)
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, InvalidJSONError...
             raise GrammarRefused(f"{spec.param}: xgrammar cannot compile this {spec.kind.replace('_', ' ')}: "
                                  f"{str(exc).strip()[:500]}", code=_CODES[spec.kind], param=spec.param) from None
-        check_satisfiable(compiled, spec, self.vocab_size)
-        return compiled
+        grammar = Grammar(compiled, self.vocab_size, self.dead_ends)
+        check_satisfiable(grammar, spec)
+        return grammar
 
     def _compile_source(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         # Compact JSON (no free whitespace): a model cannot pad an answer with endless blanks.
@@ -143,13 +157,18 @@ def bounded_strings(node: Any) -> Any:
     return out
 
 
-def check_satisfiable(compiled: xgr.CompiledGrammar, spec: GrammarSpec, vocab_size: int) -> None:
-    """Refuse a grammar that no token of this model's vocabulary can begin (a word-level
-    vocabulary without ``{``, say): the answer could never start."""
-    matcher = xgr.GrammarMatcher(compiled)
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+def check_satisfiable(grammar: Grammar, spec: GrammarSpec) -> None:
+    """Refuse a grammar this model's vocabulary cannot write: no token begins it (a word-level
+    vocabulary without ``{``, say), or, where not every byte is a token, none of the ways it
+    begins can be finished (the demo's words without a space token, for "red circle"). A search
+    that runs out of steps accepts the grammar: the masks check each step again."""
+    matcher = xgr.GrammarMatcher(grammar.compiled)
+    bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)
     matcher.fill_next_token_bitmask(bitmask)
-    if not bool(bitmask.any()):
-        raise GrammarRefused(f"{spec.param}: no token of this model's vocabulary can begin an answer that matches "
-                             f"this {spec.kind.replace('_', ' ')}; the model cannot write it.",
-                             code="grammar_unsatisfiable", param=spec.param)
+    writable = bool(bitmask.any())
+    if writable and grammar.dead_ends:
+        writable = can_finish(matcher, grammar.vocab_size, Budget()) is not False
+    if not writable:
+        raise GrammarRefused(f"{spec.param}: this model's vocabulary cannot write any answer that matches this "
+                             f"{spec.kind.replace('_', ' ')} (no sequence of its tokens spells one); the model "
+                             f"cannot write it.", code="grammar_unsatisfiable", param=spec.param)

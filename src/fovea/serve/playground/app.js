@@ -4,7 +4,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { dataUrl: null, model: null, busy: false };
+const state = { dataUrl: null, model: null, busy: false, canaryFailed: false };
 
 function showError(text) {
   const box = $("error");
@@ -31,6 +31,7 @@ async function loadHealth() {
     const reply = await fetch("/health");
     const h = await reply.json();
     state.model = h.model;
+    state.canaryFailed = Boolean(h.canary && !h.canary.ok);
     const canary = h.canary ? (h.canary.ok ? "canary passed" : "canary FAILED") : "canary not run";
     $("server").textContent = `Model ${h.model} on ${h.device} (${h.dtype}); ${h.status}, ${canary}.`;
     $("server").className = h.status === "ok" ? "ok" : "bad";
@@ -69,11 +70,10 @@ function resetStats() {
 function showFovea(ext) {
   const g = ext.grounding;
   if (g) {
-    if (g.image_dependent === null || g.image_dependent === undefined) {
-      $("grounded").textContent = g.note || "not scored";
-    } else {
-      $("grounded").textContent = g.image_dependent ? "yes" : "NO: the answer did not depend on the image";
-      $("grounded").className = g.image_dependent ? "ok" : "bad";
+    const line = groundingLine(g, state.canaryFailed);  // grounding.js
+    $("grounded").textContent = line.text;
+    $("grounded").className = line.className;
+    if (typeof g.max_kl === "number") {
       $("kl").textContent = `${g.max_kl.toFixed(3)} (threshold ${g.threshold.toFixed(3)})`;
     }
   }
@@ -98,6 +98,7 @@ async function ask() {
   state.busy = true;
   $("ask").disabled = true;
   try {
+    await loadHealth();  // the canary runs again every --canary-interval: its verdict colours the grounding line
     await streamAnswer(question);
   } catch (err) {
     showError("The request failed: " + err);

@@ -1,0 +1,105 @@
+"""Flag values that cannot work, refused at start-up in one line that names the flag and the fix.
+
+``check_before_load`` runs before a byte of the weights is read (a PD front runs it too, and
+imports no torch for it unless a check needs the model's processor): the port, a GPU share
+on a host engine, and the grounding canary against ``--max-model-len`` and the image limits.
+``fit_canary_to_engine`` runs once the engine knows what the KV cache holds per sequence.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from typing import TYPE_CHECKING
+
+from fovea.config import ServerSettings
+from fovea.errors import FoveaError
+from fovea.guard.canary_fit import PROBE_SIZE, CanaryFit, CanaryTooLong, fit_canary, media_refusal
+
+if TYPE_CHECKING:
+    from fovea.engine.paged.engine import PagedEngine
+    from fovea.model.loader import LoadedModel
+
+
+class StartupRefused(FoveaError):
+    status, code, type = 500, "invalid_settings", "server_error"
+
+
+def check_before_load(settings: ServerSettings, *, front: bool = False) -> None:
+    check_port(settings.host, settings.port)
+    check_gpu_share(settings, front)
+    if settings.canary and (settings.max_model_len is not None or media_refusal(PROBE_SIZE, settings.media)):
+        from fovea.model.loader import load_codec
+
+        try:
+            fit_canary(load_codec(settings.model), settings.media, settings.max_model_len)
+        except CanaryTooLong as exc:
+            raise StartupRefused(too_short(f"--max-model-len {exc.limit}", exc,
+                                           f"use --max-model-len {exc.need} or more")) from None
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind and release the address uvicorn will bind, so that a port in use is refused now,
+    not after the model has loaded."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's own socket
+        try:
+            sock.bind((host, port))
+        except socket.gaierror as exc:
+            raise StartupRefused(f"--host {host} is not an address this machine can listen on ({exc.strerror})") \
+                from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise StartupRefused(f"--host {host} is not an address of this machine ({exc.strerror})") from None
+            raise StartupRefused(f"--port {port} on {host} cannot be listened on ({exc.strerror}); choose another "
+                                 "--port, or stop what holds it") from None
+
+
+def check_gpu_share(settings: ServerSettings, front: bool) -> None:
+    """--gpu-memory-utilization on an engine that runs on the host (the memory planner refuses
+    it too, after loading; here it costs no load). A front knows the device only when named."""
+    if settings.gpu_memory_utilization is None:
+        return
+    if settings.device.startswith("cpu"):
+        device = settings.device
+    elif front:
+        return
+    else:
+        from fovea.model.loader import resolve_device
+
+        device = str(resolve_device(settings.device))
+    if not device.startswith("cuda"):
+        from fovea.engine.paged.memory_planner import gpu_share_off_gpu
+
+        raise gpu_share_off_gpu(device)
+
+
+def fit_canary_to_engine(settings: ServerSettings, loaded: LoadedModel, engine: PagedEngine) -> CanaryFit:
+    """The canary's probe for what this engine holds per sequence; refused in one line where
+    nothing fits, naming the flag that sets the limit."""
+    try:
+        return fit_canary(loaded.codec, settings.media, engine.max_context)
+    except CanaryTooLong as exc:
+        kv_tokens = engine.block_manager.num_blocks * engine.config.block_size
+        if engine.config.max_model_len <= kv_tokens:
+            what = (f"--max-model-len {settings.max_model_len}" if settings.max_model_len is not None
+                    else f"the model's context of {engine.config.max_model_len} tokens")
+            raise StartupRefused(too_short(what, exc, f"use --max-model-len {exc.need} or more")) from None
+        need = -(-exc.need // engine.config.block_size) * engine.runner.kv_plan.bytes_per_block
+        size = f"{-(-need // 1024)}KiB"
+        if settings.kv_cache_memory is not None:
+            what = f"--kv-cache-memory {settings.kv_cache_memory} ({kv_tokens} tokens of KV cache)"
+        else:
+            what = f"the KV cache ({kv_tokens} tokens)"
+        fix = (f"use --kv-cache-memory {size} or more" if settings.kv_cache_memory is not None
+               or loaded.device.type != "cuda" else
+               f"raise --gpu-memory-utilization, or use --kv-cache-memory {size} or more")
+        raise StartupRefused(too_short(what, exc, fix)) from None
+
+
+def too_short(what: str, exc: CanaryTooLong, fix: str) -> str:
+    small = exc.smallest
+    return (f"{what} is too small for this model: the grounding canary needs {exc.need} tokens per sequence (its "
+            f"prompt is {small.prompt_tokens} tokens, {small.image_tokens} of them its image's, and it reads at least "
+            f"one answer token) and this server holds {exc.limit}; {fix}, or pass --no-canary")
