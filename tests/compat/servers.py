@@ -35,10 +35,10 @@ class Setup:
     demo_flags: tuple[str, ...] = ()  # the demo model: a 512-token context, 8 KiB of KV cache per token
     byte_flags: tuple[str, ...] = ()  # the byte-level Qwen2.5-VL: a 4096-token context, 512 bytes per token
     api_key: str | None = None
+    limits: tuple[int, int] = (512, 4096)  # the tokens per sequence (demo, byte) these flags leave
 
-    @property
-    def pd_workers(self) -> bool:
-        return "--pd-workers" in self.flags
+    def limit(self, model: str) -> int:
+        return self.limits[0] if model == "demo" else self.limits[1]
 
     def args(self, model: str) -> list[str]:
         return [*self.flags, *(self.demo_flags if model == "demo" else self.byte_flags),
@@ -49,10 +49,12 @@ SETUPS = [
     Setup("defaults"),
     # Below each model's context, above the tests' prompts: a request without max_tokens used to be
     # given the whole context as its answer's room, and refused.
-    Setup("max-model-len", demo_flags=("--max-model-len", "256"), byte_flags=("--max-model-len", "1536")),
+    Setup("max-model-len", demo_flags=("--max-model-len", "256"), byte_flags=("--max-model-len", "1536"),
+          limits=(256, 1536)),
     # A KV cache that holds fewer tokens than the model's context (demo: 384 of 512; byte: 2048 of 4096),
     # so the per-sequence limit comes from the cache, not from --max-model-len.
-    Setup("small-kv-cache", demo_flags=("--kv-cache-memory", "3MiB"), byte_flags=("--kv-cache-memory", "1MiB")),
+    Setup("small-kv-cache", demo_flags=("--kv-cache-memory", "3MiB"), byte_flags=("--kv-cache-memory", "1MiB"),
+          limits=(384, 2048)),
     Setup("api-key", api_key=KEY),
     Setup("e_pd", flags=("--topology", "e_pd")),
     Setup("pd-workers-2", flags=("--topology", "e_pd", "--pd-workers", "2")),
