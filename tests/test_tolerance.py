@@ -5,14 +5,16 @@ import math
 import pytest
 import torch
 
-from fovea.testing.tolerance import assert_close_for, decoder_path_len, max_error, reduction_atol
+from fovea.testing.tolerance import assert_close_for, max_error, reduction_atol, transformer_path_len
 
 
 def test_the_bound_is_k_eps_sqrt_n_scale_plus_one_storage_rounding():
     e32, ebf = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
     assert reduction_atol(torch.float32, 400, 3.0) == pytest.approx(8 * e32 * 20 * 3.0)
-    assert reduction_atol(torch.float32, 400, 3.0, storage=torch.bfloat16) == pytest.approx(8 * (e32 * 20 + ebf) * 3)
-    assert reduction_atol(torch.float32, 400, 3.0, storage=torch.float64) == reduction_atol(torch.float32, 400, 3.0)
+    assert reduction_atol(torch.float32, 400, 3.0, storage=torch.bfloat16) == pytest.approx(
+        8 * (e32 * 20 + ebf) * 3)
+    wider = reduction_atol(torch.float32, 400, 3.0, storage=torch.float64)  # no narrower storage: no term
+    assert wider == reduction_atol(torch.float32, 400, 3.0)
     assert reduction_atol(torch.float16, 1, 1.0, k=1) == torch.finfo(torch.float16).eps
 
 
@@ -53,5 +55,6 @@ def test_nan_and_shape_mismatch_fail():
 
 
 def test_a_decoder_path_counts_every_reduction():
-    # 2 layers of (2 norms 2·8 + qkv 8 + scores 4 + softmax and sum 2·5 + o 2·4 + gate/up 8 + down 20) + norm and head
-    assert decoder_path_len(8, 20, 2, 5, heads=2) == 2 * (16 + 8 + 4 + 10 + 8 + 8 + 20) + 16
+    # 2 layers of (2 norms 2·8 + qkv 8 + scores 4 + softmax and sum 2·5 + o 2·4 + gate/up 8 + down 20),
+    # then the final norm and the head
+    assert transformer_path_len(8, 20, 2, 5, heads=2) == 2 * (16 + 8 + 4 + 10 + 8 + 8 + 20) + 16

@@ -96,7 +96,8 @@ def test_caplog_sees_a_live_servers_access_lines_after_the_cli_configured_loggin
     """``fovea.cli.main`` run in-process calls ``logs.configure``; pytest's capture handler stays."""
     logs.configure("info", "text", stream=io.StringIO())
     caplog.set_level(logging.INFO, logger="fovea.access")
-    response = httpx.post(live_server.base_url + "/tokenize", json={"prompt": "hi", "x-unknown": 1}, timeout=30)
+    response = httpx.post(live_server.base_url + "/tokenize", json={"prompt": "hi", "x-unknown": 1},
+                          timeout=30)
     assert response.status_code == 400
     # The line is written once the response has gone out: wait for it, within a deadline.
     deadline = time.monotonic() + 10

@@ -111,3 +111,45 @@ def test_playground_streams_a_grounded_answer_and_shows_refusals(browser, live_s
     assert "HTTP 400" in error and "invalid_image" in error and "messages[0].content[0]" in error, error
     page.screenshot(path=str(artifacts / "playground-refusal.png"), full_page=True)
     assert failures == [], failures
+
+
+def ask_and_wait(page, question: str) -> None:
+    page.fill("#question", question)
+    page.click("#ask")
+    page.wait_for_function("document.getElementById('grounded').textContent !== '–'", timeout=60_000)
+    page.wait_for_function("!document.getElementById('ask').disabled")
+
+
+def test_an_answer_without_the_picture_is_neutral_and_red_only_when_the_canary_fails(browser, live_server, tmp_path,
+                                                                                      artifacts):
+    """One shape, "How many shapes are there?": "one" is right, and a blank image gives "one" too.
+    The page says so in grey; with /health reporting a failed canary the same answer is red."""
+    image = tmp_path / "one.png"
+    scenes.render(scenes.Scene(160, 160, (scenes.Shape("orange", "triangle", 4, 0.3, (0.5, 0.5), (0, 0, 0)),))
+                  ).save(image)
+    page = browser.new_page(viewport={"width": 1100, "height": 760})
+    failures: list[str] = []
+    page.on("pageerror", lambda exc: failures.append(str(exc)))
+    page.goto(live_server.base_url + "/")
+    page.wait_for_function("document.getElementById('server').textContent.includes('canary')")
+    page.set_input_files("#file", str(image))
+    page.wait_for_selector("#preview", state="visible")
+    ask_and_wait(page, "How many shapes are there?")
+    assert page.text_content("#answer") == "one"
+    assert page.text_content("#grounded") == ("the same answer would come without the picture "
+                                              "(a blank image gives the same first words)")
+    assert page.get_attribute("#grounded", "class") == "neutral"
+    assert page.eval_on_selector("#grounded", "e => getComputedStyle(e).color") == "rgb(85, 85, 85)"  # not red
+    page.screenshot(path=str(artifacts / "playground-neutral.png"), full_page=True)
+
+    def failed_canary(route) -> None:
+        health = route.fetch().json()
+        health["canary"] = {**(health["canary"] or {}), "ok": False}
+        route.fulfill(json=health)
+
+    page.route("**/health", failed_canary)  # the page reads /health again before each question
+    ask_and_wait(page, "How many shapes are there?")
+    assert "canary FAILED" in page.text_content("#server")
+    assert page.text_content("#grounded").startswith("NO: the answer did not depend on the image")
+    assert page.get_attribute("#grounded", "class") == "bad"
+    assert failures == [], failures

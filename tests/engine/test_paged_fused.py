@@ -13,7 +13,7 @@ from fovea.engine.paged.attention import AttnMeta, PrefillBatch, PrefillSpan, at
 from fovea.engine.paged.kv_cache import KVCache
 from fovea.engine.paged.llama import PagedLlama, fuse_rows
 from fovea.models.llava import LlavaAdapter
-from fovea.testing.tolerance import assert_close_for, decoder_path_len_of
+from fovea.testing.tolerance import assert_close_for, path_len_of
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
@@ -88,13 +88,13 @@ def test_fused_forward_matches_the_torch_forward(demo_model, triton_attention):
     ref_first, ref_second, ref_cache = _prefill_then_decode(reference, prompts, [5, 9])
     got_first, got_second, got_cache = _prefill_then_decode(fused, prompts, [5, 9])
     text, context = demo_model.model.config.text_config, max(len(p) for p in prompts) + 1
-    assert_close_for(got_first, ref_first, torch.float32, decoder_path_len_of(text, context), what="prefill logits")
-    assert_close_for(got_second, ref_second, torch.float32, decoder_path_len_of(text, context), what="decode logits")
+    assert_close_for(got_first, ref_first, torch.float32, path_len_of(text, context), what="prefill logits")
+    assert_close_for(got_second, ref_second, torch.float32, path_len_of(text, context), what="decode logits")
     for layer in range(len(reference.layers)):
         # A layer's K comes after the layers before it, then its norm and the k projection (the
         # path's final norm and head stand for those two).
         assert_close_for(got_cache.k[layer], ref_cache.k[layer], torch.float32,
-                         decoder_path_len_of(text, context, layers=layer), what=f"K cache of layer {layer}")
+                         path_len_of(text, context, layers=layer), what=f"K cache of layer {layer}")
         assert torch.equal(got_cache.v[layer] != 0, ref_cache.v[layer] != 0)  # the same slots written
 
 
@@ -151,7 +151,7 @@ def test_the_runner_feeds_the_triton_prefill_kernel_whole_steps(demo_model):
         assert decode_steps >= 2 and len(sched.running) == 2  # both prefilled, then decoded together
         return out
 
-    path = decoder_path_len_of(demo_model.model.config.text_config, max(len(p.input_ids) for p in prompts) + 7)
+    path = path_len_of(demo_model.model.config.text_config, max(len(p.input_ids) for p in prompts) + 7)
     for got, ref in zip(logits_of_steps(True), logits_of_steps(False), strict=True):
         assert got.shape == ref.shape
         if got.numel():  # a step whose chunks all stop short of a prompt's end samples nothing

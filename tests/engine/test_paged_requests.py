@@ -15,6 +15,7 @@ from fovea.engine.request import ErrorEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
 from fovea.model.prompt import PlaceholderMismatch
+from fovea.testing.tolerance import assert_close_to_model
 
 
 def engine_for(model, **kw):
@@ -82,7 +83,8 @@ def test_first_logprobs_are_the_prompts_next_token_distribution(demo_model, over
 
     tokens, finish = asyncio.run(main())
     logits = reference_logits(demo_model, prompt)
-    assert (finish.first_logprobs - torch.log_softmax(logits, -1)).abs().max() < 1e-4
+    assert_close_to_model(finish.first_logprobs, torch.log_softmax(logits, -1), demo_model.model.config,
+                          len(prompt.input_ids))
     assert tokens[0] == int(finish.first_logprobs.argmax())
 
 

@@ -9,6 +9,7 @@ import torch
 
 from fovea.engine.paged.attention import paged_decode_torch
 from fovea.testing.kernel_cases import poison_past_context, random_decode_case
+from fovea.testing.tolerance import assert_close_for, attention_path_len
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
@@ -29,8 +30,9 @@ def test_triton_paged_decode_matches_torch(case):
         q, kc, vc, bt, cl = random_decode_case(batch, heads, kv_heads, dim, block_size, ctx, dtype, device)
         got = triton_decode.paged_decode(q, kc, vc, bt, cl, dim ** -0.5).float()
         ref = paged_decode_torch(q.float(), kc.float(), vc.float(), bt, cl, dim ** -0.5)
-        tol = 2e-4 if dtype == torch.float32 else 2e-2
-        assert (got - ref).abs().max().item() < tol, dtype
+        # The kernel accumulates in float32; a narrower dtype rounds its weights and its output.
+        assert_close_for(got, ref, torch.float32, attention_path_len(dim, ctx), storage=dtype,
+                         what=str(dtype))
 
 
 def test_paged_decode_torch_equals_plain_attention():
@@ -42,7 +44,8 @@ def test_paged_decode_torch_equals_plain_attention():
         k = kc[bt[b].long()].flatten(0, 1)[:n].repeat_interleave(4, dim=1)  # [n, H, D]
         v = vc[bt[b].long()].flatten(0, 1)[:n].repeat_interleave(4, dim=1)
         weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * 0.2, dim=-1)
-        assert torch.allclose(out[b], torch.einsum("hn,nhd->hd", weights, v), atol=1e-5)
+        want = torch.einsum("hn,nhd->hd", weights, v)
+        assert_close_for(out[b], want, torch.float32, attention_path_len(32, n))
 
 
 def test_choose_config_policy():
@@ -82,4 +85,4 @@ def test_triton_paged_decode_wide_table(case):
     got = triton_decode.paged_decode(q, kc, vc, bt, cl, dim ** -0.5, part)
     ref = paged_decode_torch(q, kc, vc, ref_bt, cl, dim ** -0.5)
     assert torch.isfinite(got).all()
-    assert (got - ref).abs().max().item() < 2e-4
+    assert_close_for(got, ref, torch.float32, attention_path_len(dim, ctx))

@@ -92,3 +92,16 @@ def test_clearing_one_bit_of_an_int32_row(bit):
     row = torch.full((2,), -1, dtype=torch.int32)
     row[1] &= dead_ends._cleared(bit)
     assert dead_ends.allowed_tokens(row, 64) == [t for t in range(64) if t != 32 + bit]
+
+
+def test_many_rows_filled_in_parallel_drop_dead_ends_too(words):
+    """From PARALLEL_FILL_ROWS rows on, xgrammar's batch fill, then the same check on each row."""
+    from fovea.engine.structured import bitmask
+
+    grammar = words.get_now(GrammarSpec.choice(["one", "two", "three"], "c"))
+    states = [GrammarState(grammar) for _ in range(bitmask.PARALLEL_FILL_ROWS + 2)]
+    compact = torch.full(xgr.get_bitmask_shape(len(states), words.vocab_size), -1, dtype=torch.int32)
+    bitmask.fill_masks(states, compact)
+    for row in compact:
+        assert {words.info.decoded_vocab[t].decode() for t in dead_ends.allowed_tokens(row, words.vocab_size)} == {
+            "one", "two", "three"}

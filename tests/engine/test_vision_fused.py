@@ -23,13 +23,13 @@ from fovea.engine.vision_fused import (
     add_layer_norm,
     choose_vision_encoder,
     layer_norm,
-    relative_error,
     sample_pixels,
     startup_problem,
     supports,
 )
 from fovea.model.vision import encode_images
 from fovea.testing.kernel_cases import random_llava, tiny_vision
+from fovea.testing.tolerance import K, assert_close_for, eps, reduction_atol, vision_path_len
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None
@@ -46,10 +46,12 @@ def rand(*shape, seed=0, scale=1.0, dtype=torch.float32):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE, dtype)
 
 
-def close(got, ref, dtype):
-    """Within an ulp or two of the model dtype (the kernels round where torch rounds)."""
-    tol = 1e-5 if dtype == torch.float32 else 1e-3
-    return torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol)
+def close(got, ref, dtype, reduction_len=1):
+    """Equal up to float32 reductions of ``reduction_len`` (at the result's scale) and one rounding
+    of each element to ``dtype`` (relative to that element: the kernels round where torch rounds)."""
+    ref = ref.float()
+    atol = reduction_atol(torch.float32, reduction_len, float(ref.abs().max()))
+    return torch.allclose(got.float(), ref, rtol=K * eps(dtype), atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,8 @@ def test_add_layer_norm_writes_the_sum_and_its_layer_norm(dtype):
     summed, normed = add_layer_norm(x, residual, weight, bias, 1e-5)
     assert torch.equal(residual, before)  # the old residual (maybe a kept hidden state) is intact
     assert torch.equal(summed, before + x)  # rounded once, as torch's add
-    assert close(normed, F.layer_norm(before + x, (cols,), weight, bias, 1e-5), dtype)
-    assert close(layer_norm(x, weight, bias, 1e-6), F.layer_norm(x, (cols,), weight, bias, 1e-6), dtype)
+    assert close(normed, F.layer_norm(before + x, (cols,), weight, bias, 1e-5), dtype, cols)
+    assert close(layer_norm(x, weight, bias, 1e-6), F.layer_norm(x, (cols,), weight, bias, 1e-6), dtype, cols)
 
 
 @needs_triton
@@ -93,7 +95,7 @@ def test_the_fused_stage_equals_encode_images_on_the_demo_model(demo):
     ref = encode_images(demo, pixels)
     assert got.shape == ref.shape == (2, 64, demo.model.config.text_config.hidden_size)
     assert got.dtype == ref.dtype and got.device == ref.device
-    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    assert_close_for(got, ref, torch.float32, vision_path_len(demo.model.config))
 
 
 @needs_triton
@@ -105,7 +107,7 @@ def test_the_fused_stage_runs_quick_gelu_towers_and_lists_of_feature_layers(laye
     ref = encode_images(loaded, pixels)
     tokens = 17 if strategy == "full" else 16
     assert got.shape == ref.shape == (3, tokens, 64)
-    assert relative_error(got, ref) < 1e-5
+    assert_close_for(got, ref, torch.float32, vision_path_len(loaded.model.config))
 
 
 def test_fusing_makes_q_k_v_views_of_one_tensor_and_keeps_transformers_forward(demo_model):
@@ -192,8 +194,10 @@ def test_the_image_encoder_runs_the_encode_it_is_given(demo_model):
     rows = ImageEncoder(demo_model, EncoderCache(), batch_size=2, encode=stacked(encode)).rows_for(prompts)
     assert calls == [2, 1]
     plain = ImageEncoder(demo_model, EncoderCache(), batch_size=2).rows_for(prompts)  # default: the adapter's
-    assert torch.allclose(rows["h2"], plain["h2"] + 1, atol=1e-5)
-    assert torch.allclose(plain["h2"], encode_images(demo_model, prompts[2].images[0].pixels[None])[0], atol=1e-5)
+    path = vision_path_len(demo_model.model.config)
+    assert_close_for(rows["h2"], plain["h2"] + 1, torch.float32, path)
+    alone = encode_images(demo_model, prompts[2].images[0].pixels[None])[0]
+    assert_close_for(plain["h2"], alone, torch.float32, path)
 
 
 def test_the_vision_graphs_capture_the_encode_they_are_given(demo_model, monkeypatch):

@@ -30,6 +30,7 @@ from fovea.model.loader import load_model
 from fovea.model.prompt import PlaceholderMismatch, encode_prompt, render_chat
 from fovea.model.vision_part import load_vision_part
 from fovea.testing.random_llava_next import write_model_dir
+from fovea.testing.tolerance import assert_close_to_model
 
 TILE, PATCHES = 112, 8  # the tiny checkpoint's tile side in px and in 14 px patches
 SIZES = [(300, 200), (64, 90), (1, 1), (500, 120), (224, 224), (90, 330)]  # (width, height)
@@ -144,7 +145,7 @@ def test_greedy_tokens_equal_transformers_generate(llnext, overlap):
         ref_tokens = reference_generate(llnext, prompt, 12)  # stops at EOS; the engine ignores it
         assert ref_tokens and tokens[:len(ref_tokens)] == ref_tokens
         ref = torch.log_softmax(reference_logits(llnext, prompt), -1)
-        assert (finish.first_logprobs - ref).abs().max() < 1e-4
+        assert_close_to_model(finish.first_logprobs, ref, llnext.model.config, len(prompt.input_ids))
         assert finish.finish_reason == "length"
 
 
@@ -300,7 +301,8 @@ def test_a_mistral_language_model_equals_transformers_generate(llnext_mistral):
     for prompt, (tokens, finish) in zip(prompts, run(engine, [(p, GREEDY) for p in prompts])):
         ref_tokens = reference_generate(model, prompt, 12)
         assert ref_tokens and tokens[:len(ref_tokens)] == ref_tokens
-        assert (finish.first_logprobs - torch.log_softmax(reference_logits(model, prompt), -1)).abs().max() < 1e-4
+        assert_close_to_model(finish.first_logprobs, torch.log_softmax(reference_logits(model, prompt), -1),
+                              model.model.config, len(prompt.input_ids))
 
 
 def test_a_mistral_sliding_window_shorter_than_the_context_is_refused(llnext_mistral):

@@ -8,6 +8,7 @@ import torch
 from test_qwen2_5_vl import noise, qwen  # noqa: F401 - the module's fixture
 
 from fovea.models.qwen_vision_attention import chunk_groups, grouped, grouped_attention
+from fovea.testing.tolerance import assert_close_for, attention_path_len, vision_path_len
 
 
 def test_groups_cover_every_token_once():
@@ -25,7 +26,8 @@ def test_grouped_attention_equals_one_call_per_chunk():
     for start, end in itertools.pairwise(bounds):
         want = torch.nn.functional.scaled_dot_product_attention(
             q[:, start:end][None], k[:, start:end][None], v[:, start:end][None], scale=0.35)[0]
-        assert torch.allclose(got[start:end], want.transpose(0, 1), atol=1e-6)
+        assert_close_for(got[start:end], want.transpose(0, 1), torch.float32,
+                         attention_path_len(8, end - start))
 
 
 def test_the_tower_gives_transformers_rows_and_is_restored_after(qwen):  # noqa: F811
@@ -39,7 +41,8 @@ def test_the_tower_gives_transformers_rows_and_is_restored_after(qwen):  # noqa:
         with grouped(visual) as active:
             ours = visual(pixels, grid_thw=grid).pooler_output
         again = visual(pixels, grid_thw=grid).pooler_output
-    assert active and torch.allclose(ours, theirs, atol=1e-5)
+    assert active
+    assert_close_for(ours, theirs, torch.float32, vision_path_len(qwen.model.config, 4 * ours.shape[0]))
     assert "forward" not in visual.blocks[0].attn.__dict__ and torch.equal(again, theirs)
 
 

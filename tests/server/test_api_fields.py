@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import transformers
 from scene_helpers import data_url, fresh_scene
@@ -296,7 +297,8 @@ HONOURED_CHECKS = {
     "max_tokens": _max_tokens("max_tokens"), "max_completion_tokens": _max_tokens("max_completion_tokens"),
     "temperature": _temperature, "top_p": _top_p, "seed": _seed, "stop": _stop, "stream": _stream,
     "stream_options": _stream_options, "n": _n, "ignore_eos": _ignore_eos, "min_tokens": _min_tokens,
-    "fovea": _fovea, "add_special_tokens": _add_special_tokens, "logprobs": _logprobs, "top_logprobs": _top_logprobs, "presence_penalty": _presence_penalty,
+    "fovea": _fovea, "add_special_tokens": _add_special_tokens, "logprobs": _logprobs,
+    "top_logprobs": _top_logprobs, "presence_penalty": _presence_penalty,
     "frequency_penalty": _frequency_penalty, "repetition_penalty": _repetition_penalty, "logit_bias": _logit_bias,
     "stop_token_ids": _stop_token_ids, "top_k": _top_k, "min_p": _min_p,
     "response_format": _unsatisfiable("response_format", {"type": "json_object"}),
@@ -397,10 +399,18 @@ def test_nested_keys_the_sdk_sends_as_null_change_nothing(live_server):
     question = _user()
     plain = _chat(question, {"role": "assistant", "content": ANSWER}, question)
     nulls = _chat(question, {"role": "assistant", "content": ANSWER, "refusal": None, "audio": None,
-                             "function_call": None, "name": None}, question)
+                             "function_call": None, "annotations": None, "name": None}, question)
     with httpx.Client(base_url=live_server.base_url, timeout=120) as http:
         a, b = (ok(http.post(PATHS[fields.CHAT], json={**body, "temperature": 0})) for body in (plain, nulls))
     assert text_of(a) == text_of(b) and a["usage"] == b["usage"]
+    # The openai client's own round trip: an answer's message sent back, as the object and dumped.
+    client = openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    first = client.chat.completions.create(model="fovea-shapes", messages=[question], temperature=0)
+    for previous in (first.choices[0].message, first.choices[0].message.model_dump()):
+        again = client.chat.completions.create(model="fovea-shapes", messages=[question, previous, question],
+                                               temperature=0)
+        assert again.choices[0].message.content == text_of(b) and again.usage.prompt_tokens == \
+            b["usage"]["prompt_tokens"]
 
 
 def test_docs_list_every_field():

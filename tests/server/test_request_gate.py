@@ -81,6 +81,14 @@ def test_the_right_key_passes_and_health_needs_none():
     assert [status for _, status in counted] == [200, 200]
 
 
+@pytest.mark.parametrize("path", ["/", "/playground/app.js", "/playground/grounding.js"])
+def test_the_playground_page_and_its_scripts_need_no_key(path):
+    """The page loads before anyone types a key into it: without one of its scripts it breaks."""
+    calls: list[str] = []
+    gate, _ = gate_with(inner_app(calls, chunks=1), api_key=KEY)
+    assert call(gate, path=path)[0]["status"] == 200 and calls == [path]
+
+
 def test_an_exception_before_the_response_counts_as_500_and_still_propagates():
     gate, counted = gate_with(inner_app([], fail_before=True))
     with pytest.raises(RuntimeError, match="before"):

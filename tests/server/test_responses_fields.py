@@ -15,6 +15,7 @@ from scene_helpers import data_url, fresh_scene
 
 from fovea.demo import scenes
 from fovea.serve import responses_fields as rf
+from fovea.testing.tolerance import api_logprobs_atol
 
 SCENE = fresh_scene(5000, min_shapes=2)
 URL = data_url(scenes.render(SCENE))
@@ -241,14 +242,16 @@ def chat_logprobs(http, top: int) -> list:
     return reply.json()["choices"][0]["logprobs"]["content"]
 
 
-def same_entries(got: list, want: list) -> bool:
+def same_entries(http, got: list, want: list) -> bool:
     """Log-probability entries equal but for float noise (a prompt read from the prefix cache)."""
     def plain(entries):
         return [(e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]]) for e in entries]
 
     def values(entries):
         return [v for e in entries for v in (e["logprob"], *(t["logprob"] for t in e["top_logprobs"]))]
-    return plain(got) == plain(want) and values(got) == pytest.approx(values(want), abs=1e-4)
+    context = tokenized(http, [chat_user()]) + len(want)
+    atol = api_logprobs_atol(http.fovea_state.loaded.model.config, context, values(want))
+    return plain(got) == plain(want) and values(got) == pytest.approx(values(want), abs=atol)
 
 
 def part_of(body: dict) -> dict:
@@ -260,14 +263,15 @@ def part_of(body: dict) -> dict:
 def _include(post, http):
     part = part_of(ok(post(temperature=0, include=[LOGPROBS])))
     # The same entries as chat's for the same prompt: the text's tokens, each with its bytes.
-    assert same_entries(part["logprobs"], chat_logprobs(http, 0)) and len(part["logprobs"]) > 3
+    assert same_entries(http, part["logprobs"], chat_logprobs(http, 0)) and len(part["logprobs"]) > 3
     assert len(part["logprobs"]) == len(ANSWER.split()) and part["text"] == ANSWER  # a word-level vocabulary
     assert all(e["top_logprobs"] == [] and e["logprob"] <= 0 and bytes(e["bytes"]).decode() == e["token"]
                for e in part["logprobs"])
     assert part_of(ok(post(temperature=0)))["logprobs"] == []  # only when asked
     events = events_of(post(temperature=0, stream=True, include=[LOGPROBS]))
     streamed = [e for ev in events if ev["type"] == "response.output_text.delta" for e in ev["logprobs"]]
-    assert streamed == part_of(events[-1]["response"])["logprobs"] and same_entries(streamed, part["logprobs"])
+    assert streamed == part_of(events[-1]["response"])["logprobs"]
+    assert same_entries(http, streamed, part["logprobs"])
     refused(post(include=["reasoning.encrypted_content"]), "include")
     refused(post(include=[LOGPROBS, "message.input_image.image_url"]), "include")
 
@@ -276,7 +280,7 @@ def _top_logprobs(post, http):
     body = ok(post(temperature=0, include=[LOGPROBS], top_logprobs=3))
     assert body["top_logprobs"] == 3
     entries = part_of(body)["logprobs"]
-    assert same_entries(entries, chat_logprobs(http, 3))
+    assert same_entries(http, entries, chat_logprobs(http, 3))
     for e in entries:
         assert len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["logprob"] >= e["logprob"]
         assert [t["logprob"] for t in e["top_logprobs"]] == sorted((t["logprob"] for t in e["top_logprobs"]),

@@ -365,7 +365,8 @@ add("chat-one-bad-among-good", "POST", CHAT, 400, "invalid_image", "messages[0].
 for name, body, status, code, param in [
     ("missing-prompt", {"images": []}, 400, "invalid_request", "prompt"),
     ("empty-prompt", {"prompt": ""}, 400, "invalid_request", "prompt"),
-    ("two-prompts", {"prompt": ["a", "b"]}, 400, "invalid_request", "prompt"),
+    ("two-prompts-with-images", {"prompt": ["a", "b"], "images": [GOOD_URL]}, 400, "invalid_request", "images"),
+    ("prompts-text-and-ids", {"prompt": ["a", [1]]}, 400, "invalid_request", "prompt[1]"),
     ("no-prompts", {"prompt": []}, 400, "invalid_request", "prompt"),
     ("prompt-number", {"prompt": 5}, 400, "invalid_request", "prompt"),
     ("images-string", {"prompt": TEMPLATE, "images": GOOD_URL}, 400, "invalid_request", "images"),

@@ -63,19 +63,20 @@ def test_greedy_answer_over_unlikely_words(live_server, structured, allowed):
 
 
 def test_greedy_answers_in_a_batch_with_free_text(live_server):
-    """The same requests sharing steps with free-text ones (the batched mask path)."""
+    """The same requests sharing steps with free-text ones: more structured rows than
+    PARALLEL_FILL_ROWS, so masks are filled by xgrammar's batch fill as well as row by row."""
     async def together():
         async with httpx.AsyncClient(base_url=live_server.base_url, timeout=120) as client:
-            jobs = [client.post("/v1/chat/completions", json=body("Describe the image.", s)) for s, _ in CASES * 2]
+            jobs = [client.post("/v1/chat/completions", json=body("Describe the image.", s)) for s, _ in CASES * 6]
             free = {k: v for k, v in body("Describe the image.", {}).items() if k != "structured_outputs"}
             jobs += [client.post("/v1/chat/completions", json=free) for _ in range(4)]
             return await asyncio.gather(*jobs)
 
     replies = asyncio.run(together())
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
-    for reply, (_, allowed) in zip(replies, CASES * 2):
+    for reply, (_, allowed) in zip(replies, CASES * 6):
         assert re.fullmatch(allowed, reply.json()["choices"][0]["message"]["content"])
-    free = {r.json()["choices"][0]["message"]["content"] for r in replies[len(CASES) * 2:]}
+    free = {r.json()["choices"][0]["message"]["content"] for r in replies[len(CASES) * 6:]}
     assert len(free) == 1 and "circle" in free.pop()  # greedy free text: one answer, about the picture
 
 

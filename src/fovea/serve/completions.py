@@ -1,11 +1,13 @@
-"""POST /v1/completions (a raw prompt with image placeholders) and POST /generate (the simple shape)."""
+"""POST /v1/completions (raw prompts: text with image placeholders, or token ids; one or a batch)
+and POST /generate (the simple shape)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from fovea.model.prompt import render_chat
+from fovea.errors import FoveaError, InvalidRequest
+from fovea.model.prompt import EncodedPrompt, render_chat
 from fovea.models.base import EncodeOptions
 from fovea.serve.chat import (
     check_model_name,
@@ -13,6 +15,7 @@ from fovea.serve.chat import (
     refuse_typed_placeholder,
     refuse_typed_video_token,
 )
+from fovea.serve.completion_prompts import respond_batch, token_prompt
 from fovea.serve.generation import TEXT, respond, run_choices, sampling_params, total_usage
 from fovea.serve.protocol import CompletionRequest, GenerateRequest
 from fovea.serve.state import ServerState
@@ -25,12 +28,35 @@ def make_completions_router(state: ServerState) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest):
         check_model_name(state, req.model)
+        batch = req.prompts
+        if len(batch) > 1 and req.images:
+            raise InvalidRequest("images go with one prompt; send a batch of prompts without images, or each "
+                                 "prompt with its images as a request of its own.", param="images")
+        if isinstance(batch[0], list) and req.images:
+            raise InvalidRequest("a prompt of token ids carries no images; send the prompt as text, with one "
+                                 "image placeholder per entry of images.", param="images")
+        options = EncodeOptions(req.add_special_tokens)
+        if len(batch) > 1:
+            return await respond_batch(state, req, [await one_prompt(one, f"prompt[{k}]", options)
+                                                    for k, one in enumerate(batch)])
+        if isinstance(batch[0], list):
+            where = "prompt[0]" if req.is_batch else "prompt"
+            return await respond(state, req, token_prompt(state, batch[0], where), fmt=TEXT)
         images = await load_image_bytes(state, [(ref, f"images[{i}]") for i, ref in enumerate(req.images)])
         grounding = bool(req.fovea and req.fovea.grounding)
-        prompt, twin = await state.preprocessor.prompts(req.prompt, images, template_rendered=False,
-                                                        blank_twin=grounding,
-                                                        options=EncodeOptions(req.add_special_tokens))
+        prompt, twin = await state.preprocessor.prompts(batch[0], images, template_rendered=False,
+                                                        blank_twin=grounding, options=options)
         return await respond(state, req, prompt, twin, fmt=TEXT)
+
+    async def one_prompt(prompt: str | list[int], where: str, options: EncodeOptions) -> EncodedPrompt:
+        """One prompt of a batch: token ids as they are, text as a prompt without images."""
+        if isinstance(prompt, list):
+            return token_prompt(state, prompt, where)
+        try:
+            return (await state.preprocessor.prompts(prompt, [], template_rendered=False, options=options))[0]
+        except FoveaError as error:
+            error.param = error.param or where
+            raise
 
     @router.post("/generate")
     async def generate(req: GenerateRequest):

@@ -71,8 +71,12 @@ FIELDS: tuple[Field, ...] = (
           "404 `model_not_found`", example="fovea-shapes"),
     Field("messages", HONOURED, "the conversation, text, `image_url` and (video models) `video_url` parts",
           frozenset({CHAT})),
-    Field("prompt", HONOURED, "one raw prompt (a string, or a list of exactly one), used verbatim: one image "
-          "placeholder per entry of `images`", frozenset({COMPLETIONS})),
+    Field("prompt", HONOURED, "raw prompts, used verbatim, in OpenAI's four shapes: a string (one image "
+          "placeholder per entry of `images`), a list of token ids, or a batch: a list of strings or of lists of "
+          "token ids (up to 128 prompts, without `images`), whose choices are indexed prompt by prompt, `n` each "
+          "(choice `k * n + j` is prompt k's j-th), with every prompt counted in `usage`. A token id outside the "
+          "vocabulary is a 400 naming it (`prompt[3]`, `prompt[1][3]`), as is the image token",
+          frozenset({COMPLETIONS})),
     Field("images", HONOURED, "fovea extension: the image references for the prompt's placeholders",
           frozenset({COMPLETIONS})),
     Field("max_tokens", HONOURED, "the most tokens generated; unset: what the server's per-sequence limit "

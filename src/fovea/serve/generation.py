@@ -164,9 +164,16 @@ class Answer:
 async def run_choices(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
                       want_first_logprobs: bool = False) -> list[Answer]:
     """Every choice (``params.n``), in index order."""
+    events = state.engine.generate(prompt, params, rid, want_first_logprobs=want_first_logprobs)
+    return await collect_choices(state, prompt, events, params.n, rid)
+
+
+async def collect_choices(state: ServerState, prompt: EncodedPrompt, events: AsyncIterator, n: int,
+                          rid: str) -> list[Answer]:
+    """The ``n`` choices that ``events`` end, in index order (the first error is raised)."""
     finishes: dict[int, FinishEvent] = {}
     logprobs: dict[int, list[TokenLogprob]] = {}
-    async for event in state.engine.generate(prompt, params, rid, want_first_logprobs=want_first_logprobs):
+    async for event in events:
         if isinstance(event, TokenEvent):
             if event.logprob is not None:
                 logprobs.setdefault(event.index, []).append(event.logprob)
@@ -176,8 +183,8 @@ async def run_choices(state: ServerState, prompt: EncodedPrompt, params: Samplin
             log_finish(state, prompt, event, rid)
         elif isinstance(event, ErrorEvent):
             raise failure(event.error)  # a 5xx (or the error's own status) with a JSON body
-    assert len(finishes) == params.n
-    return [Answer(finishes[i], logprobs.get(i, [])) for i in range(params.n)]
+    assert len(finishes) == n
+    return [Answer(finishes[i], logprobs.get(i, [])) for i in range(n)]
 
 
 async def run_to_finish(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
@@ -186,9 +193,12 @@ async def run_to_finish(state: ServerState, prompt: EncodedPrompt, params: Sampl
     return (await run_choices(state, prompt, params, rid, want_first_logprobs))[0].finish
 
 
-def total_usage(finishes: list[FinishEvent]) -> dict:
-    """The prompt counted once (its blocks are shared), every choice's tokens."""
-    return protocol.usage(finishes[0].prompt_tokens, sum(f.completion_tokens for f in finishes))
+def total_usage(finishes: list[FinishEvent], per_prompt: int | None = None) -> dict:
+    """Each prompt counted once (its choices share its blocks), every choice's tokens; a batch of
+    prompts (completions) has ``per_prompt`` choices for each, indexed prompt by prompt."""
+    per = per_prompt or len(finishes)
+    prompts = {f.index // per: f.prompt_tokens for f in finishes}
+    return protocol.usage(sum(prompts.values()), sum(f.completion_tokens for f in finishes))
 
 
 async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt,
@@ -206,11 +216,7 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     twin = blank_twin if grounding else None
     if req.stream:
         submission = state.engine.submit(prompt, params, rid)  # refused (429) here, before the stream's 200
-        options = req.stream_options
-        usage = StreamUsage(params.n, bool(options and options.include_usage),
-                            bool(options and options.include_usage and options.continuous_usage_stats))
-        return EventStream(_stream(state, req, prompt, params, rid, submission, usage, grounding, twin, fmt),
-                           on_close=submission.cancel)
+        return event_stream(state, req, [prompt], params, rid, submission, fmt, grounding, twin)
     answers = await run_choices(state, prompt, params, rid)
     finishes = [a.finish for a in answers]
     extra = extension(state, req, prompt, finishes[0])
@@ -222,22 +228,41 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     return JSONResponse(fmt.response(rid, state.model_name, choices, total_usage(finishes), extra or None))
 
 
+def event_stream(state: ServerState, req: SamplingFields, prompts: list[EncodedPrompt], params: SamplingParams,
+                 rid: str, submission: Submission, fmt: Format, grounding: bool = False,
+                 twin: EncodedPrompt | None = None) -> EventStream:
+    """The streamed answer of a request the engine has admitted: ``prompts`` is its prompt, or a
+    completions batch's (``params.n`` choices over them all, ``submission`` their events)."""
+    options = req.stream_options
+    usage = StreamUsage(params.n, bool(options and options.include_usage),
+                        bool(options and options.include_usage and options.continuous_usage_stats),
+                        [len(p.input_ids) for p in prompts])
+    return EventStream(_stream(state, req, prompts[0], params, rid, submission, usage, grounding, twin, fmt),
+                       on_close=submission.cancel)
+
+
 class StreamUsage:
     """``stream_options``: ``include_usage`` adds a last chunk with the usage; with
     ``continuous_usage_stats`` too (vLLM) every chunk carries the usage so far, the completion
-    tokens summed over the choices."""
+    tokens summed over the choices. ``prompts``: each prompt's tokens (a completions batch has
+    several, ``n // len(prompts)`` choices each)."""
 
-    def __init__(self, n: int, final: bool, continuous: bool) -> None:
+    def __init__(self, n: int, final: bool, continuous: bool, prompts: list[int]) -> None:
         self.final, self.continuous = final, continuous
-        self.prompt_tokens = 0
+        self.prompts = list(prompts)
+        self.per_prompt = n // len(prompts)
         self.completion = [0] * n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompts)
 
     def on_token(self, event: TokenEvent) -> None:
         if event.token_id >= 0:  # a flush of held-back text is no token
             self.completion[event.index] += 1
 
     def on_finish(self, event: FinishEvent) -> None:
-        self.prompt_tokens = event.prompt_tokens
+        self.prompts[event.index // self.per_prompt] = event.prompt_tokens
         self.completion[event.index] = event.completion_tokens  # the engine's own count wins
 
     def stamp(self, chunk: dict) -> dict:
@@ -254,7 +279,6 @@ async def _stream(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
 
     The stream began with 200: whatever fails from here on ends it with an OpenAI-style error
     event and ``[DONE]``, and no chunk carries a finish_reason, so a cut answer never looks finished."""
-    usage.prompt_tokens = len(prompt.input_ids)
     try:
         async with aclosing(_chunks(state, req, prompt, params, rid, submission, usage, grounding, twin,
                                     fmt)) as chunks:
@@ -311,7 +335,7 @@ async def _chunks(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
                 if usage.final and len(finishes) == params.n:
                     chunk = fmt.delta(rid, model, created, "")
                     chunk["choices"] = []
-                    chunk["usage"] = total_usage(finishes)
+                    chunk["usage"] = total_usage(finishes, usage.per_prompt)
                     yield chunk
             elif isinstance(event, ErrorEvent):
                 raise failure(event.error)

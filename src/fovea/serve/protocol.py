@@ -6,7 +6,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from fovea.engine.sampling import MAX_LOGPROBS
@@ -41,7 +49,7 @@ class TextPart(_Strict):
 
 class ImageURL(_Strict):
     url: str = Field(min_length=1)
-    # Honoured by dynamic-resolution families (low: at most LOW_DETAIL_PIXELS); no effect on fixed-resolution ones.
+    # Dynamic-resolution families cap a "low" image at LOW_DETAIL_PIXELS; fixed-resolution ones ignore it.
     detail: Literal["auto", "low", "high"] | None = None
 
 
@@ -84,10 +92,12 @@ class ChatMessage(_Strict):
     name: str | None = None  # the participant's name, for chat templates that render it
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
-    # Typed by OpenAI's SDK for assistant messages; fovea's templates have no place for them.
+    # OpenAI's SDK's assistant-message fields (an answer's .model_dump() sends them all, as null);
+    # fovea's templates have no place for them.
     refusal: NullOnly = None
     audio: NullOnly = None
     function_call: NullOnly = None
+    annotations: NullOnly = None
 
 
 class StreamOptions(BaseModel):
@@ -200,10 +210,15 @@ class ChatCompletionRequest(SamplingFields):
         return data
 
 
-class CompletionRequest(SamplingFields):
-    """A raw prompt, used verbatim: one ``<image>`` placeholder per entry of ``images``."""
+MAX_PROMPTS = 128  # prompts in one completions request (a batch)
+Prompt = str | list[int]  # text, or token ids
 
-    prompt: str | list[str]
+
+class CompletionRequest(SamplingFields):
+    """Raw prompts, used verbatim: text (one ``<image>`` placeholder per entry of ``images``) or
+    token ids, one prompt or a batch of them (OpenAI's four shapes)."""
+
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     images: list[str] = Field(default_factory=list, description="fovea extension: image references")
     # Strict: `true` (chat's spelling) is refused here rather than read as 1.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, strict=True)
@@ -219,14 +234,33 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str:
-        if isinstance(value, list):
-            if len(value) != 1:
-                raise ValueError("exactly one prompt per request is supported")
-            value = value[0]
-        if not value:
+    def _not_empty(cls, value: str | list) -> str | list:
+        batch = prompts_of(value)
+        if not batch:
             raise ValueError("the prompt is empty")
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request are supported; this one has {len(batch)}")
+        for i, one in enumerate(batch):
+            if not one:
+                raise ValueError("the prompt is empty" if batch is not value else f"prompt[{i}] is empty")
         return value
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        """Every prompt of the request (one, or a batch's), each text or token ids."""
+        return prompts_of(self.prompt)
+
+    @property
+    def is_batch(self) -> bool:
+        """A list of prompts (strings, or lists of token ids), even of one."""
+        return prompts_of(self.prompt) is self.prompt
+
+
+def prompts_of(value: str | list) -> list[Prompt]:
+    """The prompts in ``prompt``: a string or a list of ints is one; a list of either is a batch."""
+    if isinstance(value, str) or (value and all(isinstance(v, int) for v in value)):
+        return [value]
+    return value
 
 
 class GenerateRequest(SamplingFields):

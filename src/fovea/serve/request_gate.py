@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fovea.serve.error_handlers import error_body
+from fovea.serve.playground_route import PAGES
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -22,9 +23,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# /health: load balancers probe it without credentials. / and its script: the playground page,
+# /health: load balancers probe it without credentials. / and its scripts: the playground page,
 # static and secret-free; every API call it makes still needs the key.
-OPEN_PATHS = frozenset({"/health", "/", "/playground/app.js"})
+OPEN_PATHS = frozenset({"/health", *PAGES})
 _UNAUTHORIZED = json.dumps(error_body("a valid API key is required: send 'Authorization: Bearer <key>'.",
                                       "invalid_api_key")).encode()
 

@@ -25,6 +25,7 @@ from fovea.errors import FoveaError, InvalidRequest
 from fovea.media.errors import ImageNotFound
 from fovea.media.store import is_image_id
 from fovea.model.prompt import EncodedPrompt, render_chat
+from fovea.models.base import EncodeOptions
 from fovea.serve.chat import (
     check_model_name,
     load_image_bytes,
@@ -80,11 +81,18 @@ def input_turns(req: ResponsesRequest) -> list[Turn]:
                 if message.role != "user":
                     raise InvalidRequest(f"input[{i}] is a {message.role} message; images may only be sent in user "
                                          "messages.", param=where)
-                parts.append({"type": "image", "ref": image_ref(part, where), "where": where})
+                parts.append({"type": "image", "ref": image_ref(part, where), "where": where,
+                              "low": part.detail == "low"})
             else:
                 parts.append({"type": "text", "text": part.text, "where": f"{where}.text"})
         turns.append({"role": message.role, "content": parts})
     return turns
+
+
+def low_detail(turns: list[Turn]) -> tuple[bool, ...]:
+    """Per image, in the order template_messages collects them: sent with detail "low"."""
+    return tuple(bool(part.get("low")) for turn in turns if isinstance(turn.get("content"), list)
+                 for part in turn["content"] if part.get("type") == "image")
 
 
 def image_ref(part: InputImage, where: str) -> str:
@@ -179,7 +187,8 @@ def make_responses_router(state: ServerState, store: ResponseStore | None = None
             store.check_fits(turns)
         messages, refs = template_messages(state, req.instructions, turns)
         images = await load_image_bytes(state, refs)
-        prompt, _ = await state.preprocessor.prompts(render_chat(state.loaded, messages, tools and tools.tools), images)
+        text = render_chat(state.loaded, messages, tools and tools.tools)
+        prompt, _ = await state.preprocessor.prompts(text, images, options=EncodeOptions(low_detail=low_detail(turns)))
         params = sampling_params(state, SamplingFields(max_tokens=req.max_output_tokens, temperature=req.temperature,
                                                        top_p=req.top_p), prompt)
         params.logprobs = (req.top_logprobs or 0) if req.wants_logprobs else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import random
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,8 +160,12 @@ def build_image_processor(arch: Architecture) -> Qwen2VLImageProcessor:
         image_mean=list(OPENAI_CLIP_MEAN), image_std=list(OPENAI_CLIP_STD), resample=3)
 
 
-def write_model_dir(out: Path, arch: str = "qwen2.5-vl-7b", device: str = "cpu", seed: int = 0) -> Path:
+def write_model_dir(out: Path, arch: str = "qwen2.5-vl-7b", device: str = "cpu", seed: int = 0,
+                    max_pixels: int | None = None) -> Path:
+    """``max_pixels``: the image processor's bound instead of the architecture's."""
     architecture = ARCHITECTURES[arch]
+    if max_pixels is not None:
+        architecture = dataclasses.replace(architecture, max_pixels=max_pixels)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(architecture)

@@ -15,6 +15,7 @@ interleaved M-RoPE) at a few narrow layers, so the parity tests run on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,8 +151,12 @@ def processor_files(arch: Architecture) -> dict[str, dict]:
     }
 
 
-def write_model_dir(out: Path, arch: str = "qwen3-vl-8b", device: str = "cpu", seed: int = 0) -> Path:
+def write_model_dir(out: Path, arch: str = "qwen3-vl-8b", device: str = "cpu", seed: int = 0,
+                    max_pixels: int | None = None) -> Path:
+    """``max_pixels``: the image processor's bound instead of the architecture's."""
     architecture = ARCHITECTURES[arch]
+    if max_pixels is not None:
+        architecture = dataclasses.replace(architecture, max_pixels=max_pixels)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = build_config(architecture)

@@ -12,7 +12,7 @@ from the dtype and the size of the computation is:
   about ``eps · sqrt(n) · |result|`` whatever the order (pairwise or blocked orders only do
   better).
 - A chain of such computations (a network's layers) adds their errors the same way: ``n`` is
-  then the total reduction length along the path (``decoder_path_len``).
+  then the total reduction length along the path (``transformer_path_len``).
 - Values stored in a narrower dtype than the one that accumulates (bf16 inputs, fp32
   accumulators) add one rounding of that dtype, ``eps(storage) · |result|``, which does not
   grow with ``n``.
@@ -49,24 +49,60 @@ def reduction_atol(dtype: torch.dtype, n: int, scale: float, *, storage: torch.d
     return k * (eps(dtype) * math.sqrt(max(n, 1)) + stored) * float(scale)
 
 
-def decoder_path_len(hidden: int, intermediate: int, layers: int, context: int, heads: int = 1,
-                     head_dim: int | None = None) -> int:
-    """The total reduction length along a Llama-style decoder, embeddings to logits: per layer two
-    RMS norms, the q/k/v projection, the attention scores, the softmax and its weighted sum over
-    ``context`` tokens, the output projection, gate/up and down; then the final norm and the
-    LM head."""
+def attention_path_len(head_dim: int, context: int) -> int:
+    """Attention's reductions: the scores (``head_dim``), then the softmax's sum and the weighted
+    sum of values, each over ``context`` keys."""
+    return head_dim + 2 * context
+
+
+def transformer_path_len(hidden: int, intermediate: int, layers: int, context: int, heads: int = 1,
+                         head_dim: int | None = None) -> int:
+    """The total reduction length along a transformer (a Llama-style decoder, a ViT): per layer two
+    norms, the q/k/v projection, the attention scores, the softmax and its weighted sum over
+    ``context`` tokens, the output projection, the MLP's first and second projections; then a
+    final norm and one projection (an LM head, a projector's first linear)."""
     head_dim = head_dim or hidden // max(heads, 1)
-    per_layer = 2 * hidden + hidden + head_dim + 2 * context + heads * head_dim + hidden + intermediate
+    norms, qkv, out, mlp = 2 * hidden, hidden, heads * head_dim, hidden + intermediate
+    per_layer = norms + qkv + attention_path_len(head_dim, context) + out + mlp
     return layers * per_layer + 2 * hidden
 
 
-def decoder_path_len_of(text_config, context: int, layers: int | None = None) -> int:
-    """``decoder_path_len`` from a transformers text config (Llama, Qwen2, Qwen3, Mistral...),
-    through its first ``layers`` layers (all by default)."""
-    heads = text_config.num_attention_heads
-    return decoder_path_len(text_config.hidden_size, text_config.intermediate_size,
-                            text_config.num_hidden_layers if layers is None else layers, context, heads,
-                            getattr(text_config, "head_dim", None))
+def path_len_of(config, context: int, layers: int | None = None) -> int:
+    """``transformer_path_len`` from a transformers config (a text config: Llama, Qwen2, Qwen3,
+    Mistral; a vision config: CLIP, SigLIP, Qwen's ``depth``/``num_heads``), through its first
+    ``layers`` layers (all by default)."""
+    depth = getattr(config, "num_hidden_layers", None) or config.depth
+    heads = getattr(config, "num_attention_heads", None) or config.num_heads
+    layers = depth if layers is None else layers
+    return transformer_path_len(config.hidden_size, config.intermediate_size, layers, context, heads,
+                                getattr(config, "head_dim", None))
+
+
+def tower_path_len(vision_config, tokens: int, layers: int | None = None) -> int:
+    """A vision tower (CLIP, SigLIP, Qwen's): the patch embedding, then its layers over ``tokens``."""
+    channels = getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", 3)
+    embed = channels * getattr(vision_config, "temporal_patch_size", 1) * vision_config.patch_size ** 2
+    return embed + path_len_of(vision_config, tokens, layers)
+
+
+def vision_path_len(config, tokens: int | None = None, layers: int | None = None) -> int:
+    """A VLM's vision stage, from the model's config: the tower over ``tokens`` patches (by default
+    the one image size's, as LLaVA-1.5 has), through its first ``layers`` layers, or all of them
+    and then the projector."""
+    vision = config.vision_config
+    if tokens is None:
+        tokens = (vision.image_size // vision.patch_size) ** 2 + 1
+    projector = config.text_config.hidden_size if layers is None else 0
+    return tower_path_len(vision, tokens, layers) + projector
+
+
+def model_path_len(config, context: int) -> int:
+    """A whole VLM, pixels to logits, for a prompt of ``context`` tokens: the vision stage (over up
+    to four patches per prompt token, as a 2x2 merge makes: an upper estimate is safe, the bound
+    grows as its square root) and the decoder."""
+    text = getattr(config, "text_config", config)
+    seen = vision_path_len(config, 4 * context) if getattr(config, "vision_config", None) is not None else 0
+    return seen + path_len_of(text, context)
 
 
 def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -88,3 +124,20 @@ def assert_close_for(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.
     stored = f" + eps({storage})" if storage is not None else ""
     assert err <= atol, (f"{what + ': ' if what else ''}max error {err:.3g} exceeds {atol:.3g} = "
                          f"{k:g}·(eps({dtype})·sqrt({reduction_len}){stored})·{scale:.3g}")
+
+
+def assert_close_to_model(actual: torch.Tensor, expected: torch.Tensor, config, context: int, *,
+                          scale: float | None = None, what: str = "") -> None:
+    """``assert_close_for`` for a whole float32 VLM forward (``model_path_len``): an engine's logits
+    or log-probabilities against transformers' own. Pass the whole distribution's ``scale`` when
+    comparing a few of its log-probabilities: their error is the logits', whatever their own size."""
+    assert_close_for(actual, expected, torch.float32, model_path_len(config, context), scale=scale, what=what)
+
+
+def api_logprobs_atol(config, context: int, values: list[float]) -> float:
+    """The tolerance for float32 log-probabilities read from the API, where the logits are not seen:
+    their error is the logits' (``model_path_len``), whose scale the largest returned magnitude
+    stands for, and at least one nat (a confident answer's log-probabilities are all near 0 while
+    its logits are not)."""
+    scale = max([1.0, *(abs(v) for v in values)])
+    return reduction_atol(torch.float32, model_path_len(config, context), scale)
