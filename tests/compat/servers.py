@@ -24,6 +24,12 @@ import fovea
 
 KEY = "compat-key"
 START_TIMEOUT_S = 300  # a 2-core CI machine starting a front and two PD workers under load
+# `fovea serve`, told first to take SIGTERM when this process dies however it dies (a `timeout`
+# that kills pytest runs no teardown): PR_SET_PDEATHSIG outlives the exec into fovea's CLI.
+LAUNCH = ("import ctypes, signal, sys\n"
+          "if sys.platform == 'linux': ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+          "from fovea.cli import main\n"
+          "sys.exit(main(sys.argv[1:]))")
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,7 @@ def spawn(setup: Setup, model: str, model_dir: Path | None, logs: Path, canary: 
     log = logs / f"{setup.id}-{model}.log"
     source = str(Path(fovea.__file__).parents[1])  # this checkout's fovea, in the child too
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)}
-    command = [sys.executable, "-m", "fovea.cli", "--log-level", "info", "serve", "--host", "127.0.0.1",
+    command = [sys.executable, "-c", LAUNCH, "--log-level", "info", "serve", "--host", "127.0.0.1",
                "--port", str(port), "--device", TEST_DEVICE, "--dtype", "float32",
                *(["--model", str(model_dir)] if model_dir is not None else []),
                *(["--canary-interval", "0"] if canary else ["--no-canary"]), *setup.args(model)]
