@@ -24,8 +24,8 @@ import fovea
 
 KEY = "compat-key"
 START_TIMEOUT_S = 300  # a 2-core CI machine starting a front and two PD workers under load
-# `fovea serve`, told first to take SIGTERM when this process dies however it dies (a `timeout`
-# that kills pytest runs no teardown): PR_SET_PDEATHSIG outlives the exec into fovea's CLI.
+# `fovea serve`, whose process first asks for SIGTERM when pytest dies, however it dies (a
+# `timeout` that kills pytest runs no teardown): PR_SET_PDEATHSIG, then fovea's CLI.
 LAUNCH = ("import ctypes, signal, sys\n"
           "if sys.platform == 'linux': ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
           "from fovea.cli import main\n"
