@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import transformers
 from servers import SETUPS, Fleet, Key, Served, Setup
 
 from fovea.testing.byte_level_model import write_model_dir
@@ -35,6 +36,12 @@ def fleet(request, tmp_path_factory) -> Iterator[Fleet]:
     fleet = Fleet(order, {"demo": None, "byte": byte_dir}, tmp_path_factory.mktemp("fovea-serve-logs"))
     yield fleet
     fleet.close()
+
+
+@pytest.fixture(scope="session")
+def byte_model_config(fleet: Fleet) -> transformers.PretrainedConfig:
+    """The byte model's own config, for tolerances derived from its shape (its weights are served)."""
+    return transformers.AutoConfig.from_pretrained(fleet.model_dirs["byte"])
 
 
 @pytest.fixture(scope="session", params=SETUPS, ids=[s.id for s in SETUPS])
