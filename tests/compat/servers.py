@@ -24,6 +24,12 @@ import fovea
 
 KEY = "compat-key"
 START_TIMEOUT_S = 300  # a 2-core CI machine starting a front and two PD workers under load
+# `fovea serve`, whose process first asks for SIGTERM when pytest dies, however it dies (a
+# `timeout` that kills pytest runs no teardown): PR_SET_PDEATHSIG, then fovea's CLI.
+LAUNCH = ("import ctypes, signal, sys\n"
+          "if sys.platform == 'linux': ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+          "from fovea.cli import main\n"
+          "sys.exit(main(sys.argv[1:]))")
 
 
 @dataclass(frozen=True)
@@ -35,10 +41,10 @@ class Setup:
     demo_flags: tuple[str, ...] = ()  # the demo model: a 512-token context, 8 KiB of KV cache per token
     byte_flags: tuple[str, ...] = ()  # the byte-level Qwen2.5-VL: a 4096-token context, 512 bytes per token
     api_key: str | None = None
+    limits: tuple[int, int] = (512, 4096)  # the tokens per sequence (demo, byte) these flags leave
 
-    @property
-    def pd_workers(self) -> bool:
-        return "--pd-workers" in self.flags
+    def limit(self, model: str) -> int:
+        return self.limits[0] if model == "demo" else self.limits[1]
 
     def args(self, model: str) -> list[str]:
         return [*self.flags, *(self.demo_flags if model == "demo" else self.byte_flags),
@@ -49,10 +55,12 @@ SETUPS = [
     Setup("defaults"),
     # Below each model's context, above the tests' prompts: a request without max_tokens used to be
     # given the whole context as its answer's room, and refused.
-    Setup("max-model-len", demo_flags=("--max-model-len", "256"), byte_flags=("--max-model-len", "1536")),
+    Setup("max-model-len", demo_flags=("--max-model-len", "256"), byte_flags=("--max-model-len", "1536"),
+          limits=(256, 1536)),
     # A KV cache that holds fewer tokens than the model's context (demo: 384 of 512; byte: 2048 of 4096),
     # so the per-sequence limit comes from the cache, not from --max-model-len.
-    Setup("small-kv-cache", demo_flags=("--kv-cache-memory", "3MiB"), byte_flags=("--kv-cache-memory", "1MiB")),
+    Setup("small-kv-cache", demo_flags=("--kv-cache-memory", "3MiB"), byte_flags=("--kv-cache-memory", "1MiB"),
+          limits=(384, 2048)),
     Setup("api-key", api_key=KEY),
     Setup("e_pd", flags=("--topology", "e_pd")),
     Setup("pd-workers-2", flags=("--topology", "e_pd", "--pd-workers", "2")),
@@ -68,6 +76,7 @@ class Served:
     process: subprocess.Popen
     log: Path
     api_key: str = field(init=False)
+    ready: bool = False
 
     def __post_init__(self) -> None:
         self.api_key = self.setup.api_key or "unused"
@@ -89,28 +98,69 @@ class Served:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def start(setup: Setup, model: str, model_dir: Path | None, logs: Path, canary: bool) -> Served:
-    """Start ``fovea serve`` with ``setup``'s flags; return once it (and any PD worker) is ready."""
+Key = tuple[str, str]  # (set-up id, "demo" | "byte")
+
+
+class Fleet:
+    """Starts each (set-up, model) server once, and the next ones in the tests' order ahead of
+    time: a start (imports, model load, canary; 10 to 40 s on 2 cores, most of it one core's
+    work) overlaps the tests that run before the server is needed."""
+
+    def __init__(self, order: list[Key], model_dirs: dict[str, Path | None], logs: Path, ahead: int = 1) -> None:
+        self.order, self.model_dirs, self.logs, self.ahead = order, model_dirs, logs, ahead
+        self.setups = {s.id: s for s in SETUPS}
+        self.launched: dict[Key, Served] = {}
+        self.retired: set[Key] = set()
+
+    def get(self, setup: Setup, model: str) -> Served:
+        key = (setup.id, model)
+        position = self.order.index(key) if key in self.order else len(self.order)
+        for following in [key, *self.order[position + 1:position + 1 + self.ahead]]:
+            self._launch(following)
+        served = self.launched[key]
+        try:
+            _wait_ready(served)
+        except BaseException:
+            stop([served])
+            raise
+        return served
+
+    def retire(self, setup: Setup) -> None:
+        """Stop ``setup``'s servers: pytest has run every test that uses them."""
+        keys = [k for k in self.launched if k[0] == setup.id and k not in self.retired]
+        self.retired.update(keys)
+        stop([self.launched[k] for k in keys])
+
+    def close(self) -> None:
+        keys = [k for k in self.launched if k not in self.retired]
+        self.retired.update(keys)
+        stop([self.launched[k] for k in keys])
+
+    def _launch(self, key: Key) -> None:
+        if key not in self.launched and key not in self.retired:
+            setup, model = self.setups[key[0]], key[1]
+            self.launched[key] = spawn(setup, model, self.model_dirs[model], self.logs, canary=model == "demo")
+
+
+def spawn(setup: Setup, model: str, model_dir: Path | None, logs: Path, canary: bool) -> Served:
+    """Start ``fovea serve`` with ``setup``'s flags, without waiting for it."""
     port = free_port()
     log = logs / f"{setup.id}-{model}.log"
     source = str(Path(fovea.__file__).parents[1])  # this checkout's fovea, in the child too
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)}
-    command = [sys.executable, "-m", "fovea.cli", "--log-level", "info", "serve", "--host", "127.0.0.1",
+    command = [sys.executable, "-c", LAUNCH, "--log-level", "info", "serve", "--host", "127.0.0.1",
                "--port", str(port), "--device", TEST_DEVICE, "--dtype", "float32",
                *(["--model", str(model_dir)] if model_dir is not None else []),
                *(["--canary-interval", "0"] if canary else ["--no-canary"]), *setup.args(model)]
     with log.open("w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    served = Served(f"http://127.0.0.1:{port}", setup, process, log)
-    try:
-        _wait_ready(served)
-    except BaseException:
-        stop(served)
-        raise
-    return served
+    return Served(f"http://127.0.0.1:{port}", setup, process, log)
 
 
 def _wait_ready(served: Served) -> None:
+    """Return once /health is ok (and every PD worker ready); raise with the log's end if not."""
+    if served.ready:
+        return
     deadline, last = time.monotonic() + START_TIMEOUT_S, "no answer"
     while time.monotonic() < deadline:
         if served.process.poll() is not None:
@@ -123,6 +173,7 @@ def _wait_ready(served: Served) -> None:
         else:
             workers = body.get("pd_workers") or []
             if body.get("status") == "ok" and all(w.get("state") == "ready" for w in workers):
+                served.ready = True
                 return
             last = f"status {body.get('status')}, reasons {body.get('reasons')}"
         time.sleep(0.2)
@@ -130,10 +181,12 @@ def _wait_ready(served: Served) -> None:
                        + served.tail())
 
 
-def stop(served: Served) -> None:
-    """SIGTERM (the server drains and its workers follow it), SIGKILL if it hangs."""
-    if served.process.poll() is None:
+def stop(servers: list[Served]) -> None:
+    """SIGTERM to all (each drains, its workers follow it), then wait; SIGKILL one that hangs."""
+    running = [s for s in servers if s.process.poll() is None]
+    for served in running:
         served.process.send_signal(signal.SIGTERM)
+    for served in running:
         try:
             served.process.wait(60)
         except subprocess.TimeoutExpired:

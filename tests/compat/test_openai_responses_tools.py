@@ -128,7 +128,7 @@ def test_a_call_cut_by_max_output_tokens_fails_the_stream(client, model):
     assert "response.function_call_arguments.done" not in [e.type for e in events]
 
 
-def test_logprobs_with_the_include(client, model, byte_model):
+def test_logprobs_with_the_include(client, model, byte_model_config):
     reply = create(client, model, include=[LOGPROBS], top_logprobs=2, temperature=0, max_output_tokens=12)
     (part,) = reply.output[0].content
     assert 0 < len(part.logprobs) <= reply.usage.output_tokens
@@ -148,7 +148,7 @@ def test_logprobs_with_the_include(client, model, byte_model):
     assert [e.token for e in entries] == [e.token for e in part.logprobs]
     # The same tokens; their values agree to float noise (the second run reads the cached prefix).
     want = [e.logprob for e in part.logprobs]
-    atol = api_logprobs_atol(byte_model.model.config, reply.usage.input_tokens + len(want), want)
+    atol = api_logprobs_atol(byte_model_config, reply.usage.input_tokens + len(want), want)
     assert [e.logprob for e in entries] == pytest.approx(want, abs=atol)
     assert all(len(e.top_logprobs) == 2 for e in entries)
 
