@@ -35,7 +35,7 @@ def fleet(request, tmp_path_factory) -> Iterator[Fleet]:
     byte_dir = write_model_dir(tmp_path_factory.mktemp("byte-qwen"))
     fleet = Fleet(order, {"demo": None, "byte": byte_dir}, tmp_path_factory.mktemp("fovea-serve-logs"))
     yield fleet
-    fleet.close()
+    fleet.retire()
 
 
 @pytest.fixture(scope="session")

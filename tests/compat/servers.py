@@ -81,10 +81,6 @@ class Served:
     def __post_init__(self) -> None:
         self.api_key = self.setup.api_key or "unused"
 
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.api_key}"}
-
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key, max_retries=0,
                              **{"timeout": 120, **kw})
@@ -125,14 +121,9 @@ class Fleet:
             raise
         return served
 
-    def retire(self, setup: Setup) -> None:
-        """Stop ``setup``'s servers: pytest has run every test that uses them."""
-        keys = [k for k in self.launched if k[0] == setup.id and k not in self.retired]
-        self.retired.update(keys)
-        stop([self.launched[k] for k in keys])
-
-    def close(self) -> None:
-        keys = [k for k in self.launched if k not in self.retired]
+    def retire(self, setup: Setup | None = None) -> None:
+        """Stop ``setup``'s servers (pytest has run every test that uses them), or all of them."""
+        keys = [k for k in self.launched if (setup is None or k[0] == setup.id) and k not in self.retired]
         self.retired.update(keys)
         stop([self.launched[k] for k in keys])
 
