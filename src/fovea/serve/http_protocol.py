@@ -34,13 +34,14 @@ class DeadlineH11Protocol(H11Protocol):
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]  # uvicorn's own
         super().__init__(*args, **kwargs)
-        self.conn = FramingConnection(self.conn._max_incomplete_event_size)
+        # The same limit uvicorn gave its own connection (--h11-max-incomplete-event-size).
+        self.conn: FramingConnection = FramingConnection(self.conn._max_incomplete_event_size)
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request h11 refused, as a fovea error; the connection closes
         after it either way (and at once if the app has already begun its response)."""
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # no response begun
-            status, body = refusal(getattr(self.conn, "last_error", None))
+            status, body = refusal(self.conn.last_error)
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                        (b"connection", b"close")]
             self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers,
