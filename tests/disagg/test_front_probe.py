@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from framing_helpers import MISFRAMED, assert_one_framing_refusal, counted, send_part_of_a_body
+from process_helpers import mapped_segments
 from scene_helpers import data_url, free_port, fresh_scene
 
 import fovea
@@ -35,19 +36,6 @@ class Front:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
-
-
-def mapped_segments(pids: set[int]) -> set[str]:
-    """The shared-memory segments (/dev/shm) these processes have mapped."""
-    found = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        found |= {line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)") for line in maps.splitlines()
-                  if "/dev/shm/psm_" in line}
-    return found
 
 
 @pytest.fixture(scope="module")
