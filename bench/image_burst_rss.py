@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import os
 import sys
 import time
 from pathlib import Path
 
 import httpx
-from PIL import Image, ImageDraw
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -30,15 +28,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_serve import Server  # noqa: E402
 from large_image_probe import rss_bytes  # noqa: E402
 
+from fovea.testing.images import flat_png  # noqa: E402
+
 SETTLE_S = 2.0
-
-
-def flat_png(side: int) -> bytes:
-    image = Image.new("RGB", (side, side), (250, 250, 250))
-    ImageDraw.Draw(image).ellipse((side // 4, side // 4, side // 2, side // 2), fill=(220, 30, 30))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def body(url: str) -> dict:

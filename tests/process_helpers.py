@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from pathlib import Path
 
 
@@ -16,3 +18,13 @@ def mapped_segments(pids: set[int]) -> set[str]:
         found |= {line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)") for line in maps.splitlines()
                   if "/dev/shm/psm_" in line}
     return found
+
+
+def stop_process(process: subprocess.Popen, grace_s: float = 60) -> None:
+    """SIGTERM a server process still running, and SIGKILL it if it has not exited after ``grace_s``."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()

@@ -6,7 +6,6 @@ are done, and the next ones start while they run (``servers.Fleet``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import transformers

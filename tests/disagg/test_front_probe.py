@@ -9,7 +9,6 @@ it along at once, leaving no shared memory behind. The last test kills the front
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from framing_helpers import MISFRAMED, assert_one_framing_refusal, counted, send_part_of_a_body
-from process_helpers import mapped_segments
+from process_helpers import mapped_segments, stop_process
 from scene_helpers import data_url, free_port, fresh_scene
 
 import fovea
@@ -63,12 +62,7 @@ def front(tmp_path_factory) -> Front:
             time.sleep(0.25)
         yield live
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_process(process)
 
 
 @pytest.mark.parametrize("request_bytes", MISFRAMED.values(), ids=MISFRAMED.keys())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from process_helpers import mapped_segments
+from process_helpers import mapped_segments, stop_process
 from scene_helpers import data_url, free_port, fresh_scene, run_all
 
 import fovea
@@ -90,12 +90,7 @@ def front():
         wait_for("the front and its workers were not ready", up, timeout=240)
         yield live
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_process(process)
 
 
 def chat(image, *, max_tokens: int = 40, **extra) -> dict:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,26 +19,19 @@ from pathlib import Path
 
 import httpx
 import pytest
-from PIL import Image, ImageDraw
+from process_helpers import stop_process
 from scene_helpers import data_url, free_port, fresh_scene
 
 import fovea
 from fovea.demo import scenes
 from fovea.media import heap
+from fovea.testing.images import flat_png
 
 SIDE = 4000  # 16 megapixels: over the large-image threshold (4 Mpx), decoded at full size then reduced
 IMAGES = 8
 DECODED_BYTES = SIDE * SIDE * 4  # PIL holds an RGB image at 4 bytes a pixel
 
 pytestmark = pytest.mark.skipif(not heap.release_free_memory(), reason="returning freed memory needs glibc")
-
-
-def flat_png(side: int) -> bytes:
-    image = Image.new("RGB", (side, side), (250, 250, 250))
-    ImageDraw.Draw(image).ellipse((side // 4, side // 4, side // 2, side // 2), fill=(220, 30, 30))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def chat(url: str) -> dict:
@@ -78,11 +69,7 @@ def server(tmp_path_factory):
             time.sleep(0.2)
         yield base, process.pid
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_process(process, grace_s=30)
 
 
 async def burst(base: str, bodies: list[dict]) -> list[int]:

@@ -7,8 +7,16 @@ import time
 
 import httpx
 import pytest
-from framing_helpers import (MISFRAMED, PIPELINED, STATUS_LINE, address, assert_one_framing_refusal, counted,
-                             send_part_of_a_body, until_closed)
+from framing_helpers import (
+    MISFRAMED,
+    PIPELINED,
+    STATUS_LINE,
+    address,
+    assert_one_framing_refusal,
+    counted,
+    send_part_of_a_body,
+    until_closed,
+)
 
 from fovea.serve import http_protocol
 from fovea.serve.http_protocol import DeadlineH11Protocol

@@ -25,6 +25,7 @@ from fovea.engine.paged.engine import PagedEngine
 from fovea.engine.request import ErrorEvent, FinishEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.guard.canary_fit import ANSWER_TOKENS
+
 # The drawings live beside the contract's probe image (no torch there: start-up checks use them).
 from fovea.guard.probe_images import (  # noqa: F401  (CanaryCase and PROBE_SIZE: imported from here too)
     DEFAULT_CASES,

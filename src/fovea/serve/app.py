@@ -31,7 +31,12 @@ from fovea.serve.metrics import Metrics
 from fovea.serve.playground_route import make_playground_router
 from fovea.serve.request_gate import RequestGate
 from fovea.serve.responses import make_responses_router
-from fovea.serve.startup_checks import QuietStartupRefusal, StartupRefused, fit_canary_to_engine, refuse_at_startup
+from fovea.serve.startup_checks import (
+    QuietStartupRefusal,
+    StartupRefused,
+    fit_canary_to_engine,
+    refuse_at_startup,
+)
 from fovea.serve.state import ServerState
 from fovea.serve.tokenize import make_tokenize_router
 from fovea.serve.trailing_slash import StripTrailingSlash

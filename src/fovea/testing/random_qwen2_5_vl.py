@@ -14,9 +14,9 @@ attention, M-RoPE) at a few narrow layers, so the parity tests run on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 

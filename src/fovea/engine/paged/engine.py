@@ -33,9 +33,9 @@ from fovea.engine.request import (
     EngineRequest,
     ErrorEvent,
     Event,
+    Submission,
     check_fits_context,
     check_token_ids,
-    Submission,
 )
 from fovea.engine.sampling import SamplingParams
 from fovea.engine.structured.spec import StructuredOutputError
