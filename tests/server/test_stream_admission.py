@@ -57,6 +57,36 @@ def test_more_streams_than_the_queue_each_end_or_are_refused_before_they_start(s
     assert refused and answered, (refused, answered)
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": "a red circle"}),
+    ("/generate", {"prompt": "Describe the image."}),
+    ("/v1/responses", {"input": "hello"}),
+])
+def test_a_full_queue_refuses_before_the_request_is_preprocessed(small_queue, monkeypatch, path, body):
+    """Under a flood each refusal would otherwise pay for its images' fetch and decode first."""
+    state = small_queue.app.state.fovea
+    prepared = []
+
+    async def counted(*args, **kwargs):
+        prepared.append(args)
+        return await original(*args, **kwargs)
+
+    original = state.preprocessor.prompts
+    monkeypatch.setattr(state.preprocessor, "prompts", counted)
+    monkeypatch.setattr(state.engine._queue, "full", lambda: True)  # as if QUEUE requests were waiting
+    streamed = {} if path == "/generate" else {"stream": True}  # /generate does not stream
+    reply = httpx.post(small_queue.base_url + path, json=body | streamed, timeout=60)
+    assert reply.status_code == 429 and reply.headers["retry-after"], reply.text[:300]
+    assert reply.json()["error"]["code"] == "server_overloaded"
+    assert prepared == []
+    monkeypatch.undo()  # the queue has room again: the same request is prepared and answered
+    monkeypatch.setattr(state.preprocessor, "prompts", counted)
+    length = {"max_output_tokens": 2} if path == "/v1/responses" else {"max_tokens": 2}
+    reply = httpx.post(small_queue.base_url + path, json=body | length, timeout=120)
+    assert reply.status_code == 200 and prepared, reply.text[:300]
+
+
 def test_a_failure_after_a_stream_began_ends_it_with_an_error_event(make_server, monkeypatch):
     """Not a FoveaError, raised in the stream's body after the 200: the client still gets an
     error event and [DONE], and no finish_reason."""

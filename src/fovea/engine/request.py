@@ -159,6 +159,11 @@ class LoopMailbox:
             deliver(event)
 
 
+def overloaded(max_queue: int | None) -> Overloaded:
+    """The 429 for a request that finds the queue full."""
+    return Overloaded(f"{max_queue} requests are already waiting; retry shortly.")
+
+
 class Submission:
     """One request put on an engine worker's queue, and its events as they come back.
 
@@ -197,7 +202,7 @@ class Submission:
                 work_queue.put_nowait(request)
         except queue.Full:
             self.cancelled.set()  # the choices already queued are dropped by the worker
-            raise Overloaded(f"{max_queue} requests are already waiting; retry shortly.") from None
+            raise overloaded(max_queue) from None
 
     def cancel(self) -> None:
         self.cancelled.set()  # no-op when finished

@@ -186,6 +186,7 @@ def make_chat_router(state: ServerState) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model_name(state, req.model)
+        state.engine.refuse_when_full()  # before its images are fetched and decoded
         for i, message in enumerate(req.messages):  # a conversation with tool turns needs a template for them
             if message.role == "tool" or message.tool_calls:
                 check_template(state.loaded, f"messages[{i}] is a tool turn", f"messages[{i}]")

@@ -28,6 +28,7 @@ def make_completions_router(state: ServerState) -> APIRouter:
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest):
         check_model_name(state, req.model)
+        state.engine.refuse_when_full()  # before its images are fetched and decoded
         batch = req.prompts
         if len(batch) > 1 and req.images:
             raise InvalidRequest("images go with one prompt; send a batch of prompts without images, or each "
@@ -61,6 +62,7 @@ def make_completions_router(state: ServerState) -> APIRouter:
     @router.post("/generate")
     async def generate(req: GenerateRequest):
         check_model_name(state, req.model)
+        state.engine.refuse_when_full()  # before its images are fetched and decoded
         refuse_typed_placeholder(req.prompt, loaded.image_token, "prompt")
         refuse_typed_video_token(state, req.prompt, "prompt")
         images = await load_image_bytes(state, [(req.image, "image")] if req.image else [])

@@ -179,6 +179,7 @@ def make_responses_router(state: ServerState, store: ResponseStore | None = None
     @router.post("/v1/responses")
     async def create(req: ResponsesRequest):
         check_model_name(state, req.model)
+        state.engine.refuse_when_full()  # before its images are fetched and decoded
         history = store.get(req.previous_response_id, FROM_PREVIOUS).conversation if req.previous_response_id else []
         turns = [*history, *input_turns(req)]
         check_tool_turns(state.loaded, turns)

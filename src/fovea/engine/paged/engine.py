@@ -36,6 +36,7 @@ from fovea.engine.request import (
     Submission,
     check_fits_context,
     check_token_ids,
+    overloaded,
 )
 from fovea.engine.sampling import SamplingParams
 from fovea.engine.structured.spec import StructuredOutputError
@@ -153,6 +154,13 @@ class PagedEngine:
             raise EngineStopped(f"the engine worker died: {type(self._dead).__name__}: {self._dead}")
         self.check_fits(prompt, params)
         return Submission(self._queue, self.config.max_queue, prompt, params, request_id, want_first_logprobs)
+
+    def refuse_when_full(self) -> None:
+        """A 429 now when --max-queue is reached: the routes ask before fetching and decoding a
+        request's images, which a flood would otherwise pay for in every refusal. ``submit``
+        still decides (the queue may fill while the images decode)."""
+        if self.config.max_queue is not None and self._queue.full():
+            raise overloaded(self.config.max_queue)
 
     async def generate(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
                        want_first_logprobs: bool = False) -> AsyncIterator[Event]:
