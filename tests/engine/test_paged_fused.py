@@ -45,31 +45,36 @@ def test_fuse_rows_shares_memory_and_is_idempotent():
 def _prefill_then_decode(llama: PagedLlama, prompts: list[list[int]], next_ids: list[int]):
     """Prefill each prompt (one step, two spans), then one decode step for both. Returns
     (prefill logits of each span's last row, decode logits, the cache)."""
-    block_size = 16
-    cache = KVCache(llama.kv_shape(block_size), 32, torch.device("cpu"))
-    tables, offset, slots, spans, positions, last_rows = [], 0, [], [], [], []
-    for i, ids in enumerate(prompts):
-        blocks = list(range(i * 8, i * 8 + 8))  # room for 128 tokens each
-        tables.append(blocks)
-        n = len(ids)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
-        spans.append(PrefillSpan(offset, n, 0, torch.tensor(blocks)))
-        positions += list(range(n))
-        offset += n
-        last_rows.append(offset - 1)
-    flat = torch.tensor([t for ids in prompts for t in ids])
-    meta = AttnMeta(slot_mapping=torch.tensor(slots), prefills=spans)
-    if llama.backend.batched_prefill:  # the Triton path: every span in one kernel launch
-        meta.prefill_batch = PrefillBatch.build(spans, tables, torch.device("cpu"))
-    with torch.inference_mode():
-        first = llama.forward(llama.embed_ids(flat), torch.tensor(positions), meta, cache,
-                              torch.tensor(last_rows)).float()
-        lens = [len(ids) for ids in prompts]
-        decode_meta = AttnMeta(
-            slot_mapping=torch.tensor([t[n // block_size] * block_size + n % block_size for t, n in zip(tables, lens)]),
-            num_decodes=len(prompts), block_tables=torch.tensor(tables, dtype=torch.int32),
-            context_lens=torch.tensor([n + 1 for n in lens], dtype=torch.int32))
-        second = llama.forward(llama.embed_ids(torch.tensor(next_ids)), torch.tensor(lens), decode_meta, cache).float()
+    device = llama.embed.device
+    with torch.device(device):  # the tensors below land beside the weights (CPU, or CUDA on a GPU)
+        block_size = 16
+        cache = KVCache(llama.kv_shape(block_size), 32, device)
+        tables, offset, slots, spans, positions, last_rows = [], 0, [], [], [], []
+        for i, ids in enumerate(prompts):
+            blocks = list(range(i * 8, i * 8 + 8))  # room for 128 tokens each
+            tables.append(blocks)
+            n = len(ids)
+            slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+            spans.append(PrefillSpan(offset, n, 0, torch.tensor(blocks)))
+            positions += list(range(n))
+            offset += n
+            last_rows.append(offset - 1)
+        flat = torch.tensor([t for ids in prompts for t in ids])
+        meta = AttnMeta(slot_mapping=torch.tensor(slots), prefills=spans)
+        if llama.backend.batched_prefill:  # the Triton path: every span in one kernel launch
+            with torch.device("cpu"):  # it stages its tables in pinned host memory, then copies
+                meta.prefill_batch = PrefillBatch.build(spans, tables, device)
+        with torch.inference_mode():
+            first = llama.forward(llama.embed_ids(flat), torch.tensor(positions), meta, cache,
+                                  torch.tensor(last_rows)).float()
+            lens = [len(ids) for ids in prompts]
+            decode_meta = AttnMeta(
+                slot_mapping=torch.tensor([t[n // block_size] * block_size + n % block_size
+                                           for t, n in zip(tables, lens)]),
+                num_decodes=len(prompts), block_tables=torch.tensor(tables, dtype=torch.int32),
+                context_lens=torch.tensor([n + 1 for n in lens], dtype=torch.int32))
+            second = llama.forward(llama.embed_ids(torch.tensor(next_ids)), torch.tensor(lens), decode_meta,
+                                   cache).float()
     return first, second, cache
 
 
