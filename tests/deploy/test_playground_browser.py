@@ -63,19 +63,9 @@ def test_playground_streams_a_grounded_answer_and_shows_refusals(browser, live_s
     scene = fresh_scene(151)
     image = tmp_path / "scene.png"
     scenes.render(scene).save(image)
-    page = browser.new_page(viewport={"width": 1100, "height": 760})
-    failures: list[str] = []
-    page.on("pageerror", lambda exc: failures.append(str(exc)))
-    page.goto(live_server.base_url + "/")
-    page.wait_for_function("document.getElementById('server').textContent.includes('fovea-shapes')")
-
-    page.set_input_files("#file", str(image))
-    page.wait_for_selector("#preview", state="visible")
-    page.fill("#question", "Describe the image.")
-    page.click("#ask")
+    page, failures = open_with_image(browser, live_server, image, "fovea-shapes")
     # The last chunk carries fovea.grounding and fovea.timing; the page fills the table from it.
-    page.wait_for_function("document.getElementById('grounded').textContent !== '–'", timeout=60_000)
-    page.wait_for_function("!document.getElementById('ask').disabled")
+    ask_and_wait(page, "Describe the image.")
     assert page.text_content("#answer") == scenes.describe_answer(scene)
     assert page.text_content("#grounded") == "yes"
     assert "threshold" in page.text_content("#kl")
@@ -113,6 +103,19 @@ def test_playground_streams_a_grounded_answer_and_shows_refusals(browser, live_s
     assert failures == [], failures
 
 
+def open_with_image(browser, live_server, image: Path, server_text: str):
+    """The playground, once its server line shows ``server_text``, with ``image`` picked; (the
+    page, the list its script errors are collected in)."""
+    page = browser.new_page(viewport={"width": 1100, "height": 760})
+    failures: list[str] = []
+    page.on("pageerror", lambda exc: failures.append(str(exc)))
+    page.goto(live_server.base_url + "/")
+    page.wait_for_function(f"document.getElementById('server').textContent.includes({server_text!r})")
+    page.set_input_files("#file", str(image))
+    page.wait_for_selector("#preview", state="visible")
+    return page, failures
+
+
 def ask_and_wait(page, question: str) -> None:
     page.fill("#question", question)
     page.click("#ask")
@@ -127,13 +130,7 @@ def test_an_answer_without_the_picture_is_neutral_and_red_only_when_the_canary_f
     image = tmp_path / "one.png"
     scenes.render(scenes.Scene(160, 160, (scenes.Shape("orange", "triangle", 4, 0.3, (0.5, 0.5), (0, 0, 0)),))
                   ).save(image)
-    page = browser.new_page(viewport={"width": 1100, "height": 760})
-    failures: list[str] = []
-    page.on("pageerror", lambda exc: failures.append(str(exc)))
-    page.goto(live_server.base_url + "/")
-    page.wait_for_function("document.getElementById('server').textContent.includes('canary')")
-    page.set_input_files("#file", str(image))
-    page.wait_for_selector("#preview", state="visible")
+    page, failures = open_with_image(browser, live_server, image, "canary")
     ask_and_wait(page, "How many shapes are there?")
     assert page.text_content("#answer") == "one"
     assert page.text_content("#grounded") == ("the same answer would come without the picture "
