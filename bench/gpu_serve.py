@@ -80,12 +80,13 @@ class Server:
         return (self.metric("fovea_time_to_first_token_seconds_sum"),
                 self.metric("fovea_time_to_first_token_seconds_count"))
 
-    def __init__(self, model: Path | None, out: Path, name: str, *extra: str, device: str = "auto") -> None:
+    def __init__(self, model: Path | None, out: Path, name: str, *extra: str, device: str = "auto",
+                 canary: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = out / f"server-{name}.log"
         cmd = [sys.executable, "-m", "fovea.cli", "serve", "--port", str(self.port), "--device", device,
-               "--no-canary", *extra]
+               *([] if canary else ["--no-canary"]), *extra]
         if model is not None:
             cmd += ["--model", str(model)]
         env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",

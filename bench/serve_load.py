@@ -23,11 +23,14 @@ import numpy as np
 from PIL import Image
 
 
-def photo_jpeg(seed: int, size: int = 336, quality: int = 90) -> bytes:
-    """A distinct photo-like JPEG: smooth colour fields, a few soft blobs and sensor noise."""
+def photo_jpeg(seed: int, size: int | tuple[int, int] = 336, quality: int = 90) -> bytes:
+    """A distinct photo-like JPEG of ``size`` px square or (width, height): smooth colour fields,
+    a few soft blobs and sensor noise."""
     rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:size, 0:size].astype(np.float32) / size
-    img = np.empty((size, size, 3), np.float32)
+    width, height = (size, size) if isinstance(size, int) else size
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    y, x = y / height, x / width
+    img = np.empty((height, width, 3), np.float32)
     for c in range(3):
         fx, fy, phase = rng.uniform(0.3, 3, 2).tolist() + [rng.uniform(0, 6.28)]
         img[..., c] = 110 + 70 * np.sin(6.28 * (fx * x + phase)) * np.cos(6.28 * fy * y)
@@ -41,11 +44,16 @@ def photo_jpeg(seed: int, size: int = 336, quality: int = 90) -> bytes:
     return buffer.getvalue()
 
 
-def chat_body(model: str, seed: int, text: str, max_tokens: int) -> dict:
-    url = "data:image/jpeg;base64," + base64.b64encode(photo_jpeg(seed)).decode()
+def chat_body(model: str, seed: int, text: str, max_tokens: int, images: int = 1,
+              size: int | tuple[int, int] = 336) -> dict:
+    """A streamed chat request: ``images`` distinct photo-like JPEGs of ``size``, then the text."""
+    parts = [{"type": "image_url", "image_url": {
+        "url": "data:image/jpeg;base64," + base64.b64encode(photo_jpeg(seed * 16 + k if images > 1 else seed,
+                                                                       size)).decode()}}
+        for k in range(images)]
     return {"model": model, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
-            "max_tokens": max_tokens, "ignore_eos": True, "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]}
+            "max_tokens": max_tokens, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
 
 
 @dataclass

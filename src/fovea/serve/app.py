@@ -40,6 +40,7 @@ from fovea.serve.startup_checks import (
 from fovea.serve.state import ServerState
 from fovea.serve.tokenize import make_tokenize_router
 from fovea.serve.trailing_slash import StripTrailingSlash
+from fovea.startup_clock import STARTUP
 
 log = logging.getLogger("fovea.serve")
 
@@ -69,9 +70,11 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     """Build the app; ``loaded`` lets tests share one loaded model between apps."""
     if loaded is None:
         check_fits_before_load(settings)
-        loaded = load_model(settings.model, settings.device, settings.dtype)
-    contract = check_contract(loaded, override=settings.processor_override,
-                              force_override=settings.force_processor_override)
+        with STARTUP.phase("load weights"):
+            loaded = load_model(settings.model, settings.device, settings.dtype)
+    with STARTUP.phase("contract"):
+        contract = check_contract(loaded, override=settings.processor_override,
+                                  force_override=settings.force_processor_override)
     for note in contract.notes:
         log.warning("%s: %s", loaded.name, note)
     # The gauges read the engine lazily, so the metrics can exist before the engine they watch.
@@ -98,16 +101,19 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                          else loaded.device)
         fused = engine_config.resolved(encode_device, loaded.context_length,
                                        sum(p.numel() for p in loaded.model.parameters())).fused_vision
-        pool = EncoderPool(loaded.path, workers=settings.encode_workers or 1, device=str(encode_device),
-                           dtype=str(loaded.dtype).removeprefix("torch."), model_id=contract.model_fingerprint,
-                           recipe_fingerprint=contract.recipe_fingerprint, hidden=vision_row_width(loaded),
-                           timeout_s=settings.encode_timeout_s or 60.0, ray_address=settings.ray_address,
-                           batch_images=vision_batch, pd_device=str(loaded.device), fused_vision=bool(fused),
-                           on_handoff=metrics.observe_handoff, encoder_addresses=list(settings.encode_addresses),
-                           authkey=settings.encode_authkey).start()
+        with STARTUP.phase("encode workers"):
+            pool = EncoderPool(loaded.path, workers=settings.encode_workers or 1, device=str(encode_device),
+                               dtype=str(loaded.dtype).removeprefix("torch."), model_id=contract.model_fingerprint,
+                               recipe_fingerprint=contract.recipe_fingerprint, hidden=vision_row_width(loaded),
+                               timeout_s=settings.encode_timeout_s or 60.0, ray_address=settings.ray_address,
+                               batch_images=vision_batch, pd_device=str(loaded.device), fused_vision=bool(fused),
+                               on_handoff=metrics.observe_handoff, encoder_addresses=list(settings.encode_addresses),
+                               authkey=settings.encode_authkey).start()
     try:
-        engine = PagedEngine(loaded, engine_config, on_vision_seconds=on_vision, remote_encoder=pool)
-        fit = fit_canary_to_engine(settings, loaded, engine) if settings.canary else None
+        with STARTUP.phase("engine"):
+            engine = PagedEngine(loaded, engine_config, on_vision_seconds=on_vision, remote_encoder=pool)
+        with STARTUP.phase("canary fit"):
+            fit = fit_canary_to_engine(settings, loaded, engine) if settings.canary else None
     except BaseException:
         if pool is not None:  # refused at start-up: its worker processes go with it
             pool.stop()
@@ -149,7 +155,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
         try:
             if settings.canary:
                 try:
-                    await run_canary()
+                    with STARTUP.phase("canary"):
+                        await run_canary()
                 except FoveaError as exc:  # e.g. encode workers that cannot answer within --encode-timeout
                     raise refuse_at_startup(app.state, StartupRefused(
                         f"the grounding canary could not run at start-up: {exc.message}")) from None
@@ -158,6 +165,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                         "--strict: the grounding canary failed at start-up: " + "; ".join(state.canary.last.reasons)))
                 if settings.canary_interval_s > 0:
                     task = asyncio.create_task(canary_loop())
+            STARTUP.mark_ready()
+            log.info("%s", STARTUP.summary())
             yield
         finally:
             if task is not None:
@@ -201,6 +210,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
             "processor_override": contract.processor_override,
             "queue_depth": engine.queue_depth,
             "memory": engine.memory_report(),
+            "startup": STARTUP.report() if STARTUP.ready_after is not None else None,
             "canary": None if last is None else {
                 "ok": last.ok, "min_ablation_kl": last.min_ablation_kl, "threshold": last.threshold,
                 "checked_at": last.checked_at, "answers": {c.colour: c.answer for c in last.cases},

@@ -47,6 +47,7 @@ from fovea.engine.paged.memory_plan import (
 )
 from fovea.engine.paged.memory_profile import CudaMeter, measure, tensor_bytes
 from fovea.models.base import reference_position_ids
+from fovea.startup_clock import STARTUP
 
 if TYPE_CHECKING:
     from fovea.engine.paged.model_runner import ModelRunner
@@ -184,7 +185,8 @@ class Planner:
                               f"{cfg.max_model_len} tokens (per-request grounding scores, one at a time)"))
         if r.decode_graphs_enabled:
             probe = KVCache(self.shape, 1, device)
-            graphs, held, _ = measure(meter, lambda: self._capture(probe))
+            with STARTUP.phase("decode graphs (sizing)"):
+                graphs, held, _ = measure(meter, lambda: self._capture(probe))
             lines.append(PlanLine("decode graphs", held, f"measured: {len(graphs.sizes)} CUDA graphs of decode "
                                   f"steps (batch sizes up to {graphs.sizes[-1]}) and their inputs"))
             del graphs, probe
@@ -208,9 +210,12 @@ class Planner:
         meter = self.meter
         assert meter is not None
         scratch = KVCache(self.shape, self.runner.scratch_blocks(), self.device)
-        measure(meter, lambda: self._choose_kernels(scratch))
-        _, vision, _ = measure(meter, self.runner.capture_vision_graphs)
-        _, _, step = measure(meter, lambda: self._worst_steps(scratch))
+        with STARTUP.phase("kernel choices"):
+            measure(meter, lambda: self._choose_kernels(scratch))
+        with STARTUP.phase("vision graphs"):
+            _, vision, _ = measure(meter, self.runner.capture_vision_graphs)
+        with STARTUP.phase("worst step"):
+            _, _, step = measure(meter, lambda: self._worst_steps(scratch))
         return vision, step
 
     @torch.inference_mode()

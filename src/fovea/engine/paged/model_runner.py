@@ -34,6 +34,7 @@ from fovea.engine.vision_fused import choose_vision_encoder
 from fovea.engine.vision_graphs import try_graphed_vision
 from fovea.model.loader import LoadedModel
 from fovea.models.llava import stacked
+from fovea.startup_clock import STARTUP
 
 log = logging.getLogger("fovea.engine.paged")
 
@@ -68,7 +69,8 @@ class ModelRunner:
         self.block_size = config.block_size
         use_triton = bool(config.triton_decode) and triton_util.available()
         if use_triton:
-            problem = triton_self_check(self.device, loaded.dtype)
+            with STARTUP.phase("kernel self-check"):
+                problem = triton_self_check(self.device, loaded.dtype)
             if problem:
                 log.warning("Triton kernels disabled, using the torch path: %s", problem)
                 use_triton = False
@@ -110,14 +112,16 @@ class ModelRunner:
         if config.cuda_graphs and not use_triton:
             log.warning("CUDA graphs need the Triton decode kernel; decoding eagerly")
         planner = Planner(self, shape)
-        self.memory_plan = planner.plan()
+        with STARTUP.phase("memory profile"):
+            self.memory_plan = planner.plan()
         log.info("%s", self.memory_plan.render())
         self.kv_plan = KVPlan(self.memory_plan.kv_blocks, self.block_size, shape.bytes_per_block,
                               self.memory_plan.line("kv_cache").how)
         self.cache = KVCache(shape, self.kv_plan.num_blocks, self.device)
         if self.decode_graphs_enabled:
-            self.graphs = self.build_graphs()
-            self.graphs.capture()
+            with STARTUP.phase("decode graphs"):
+                self.graphs = self.build_graphs()
+                self.graphs.capture()
         planner.enforce(self.memory_plan)
 
     def build_graphs(self, cls: type[GraphedDecode] = GraphedDecode, cache: KVCache | None = None) -> GraphedDecode:

@@ -1,0 +1,362 @@
+"""The shared harness of bench/gpu_qwen2_5_vl.py and bench/gpu_qwen3_vl.py: Qwen-VL at real resolutions.
+
+On a random-weight directory of the family's real shape (its config, processor, vocabulary;
+``fovea.testing.random_qwen2_5_vl`` / ``random_qwen3_vl``), in one run:
+
+- serve: ``fovea serve`` on the directory with the grounding canary, the seconds to a ready
+  /health (and the server's own account of them: its "start-up:" log line), then bursts of
+  ``--burst`` concurrent streamed requests, each with ``--images`` distinct photo-like JPEGs of
+  ``--burst-size`` (1280x720 by default) and 64 words, 128 tokens with ``ignore_eos``, sent by
+  a load generator in processes of its own (``load_procs``); tokens/s, TTFT and TPOT p50/p99 and
+  the failed-request count beside them. ``--topologies agg,e_pd`` repeats it split into encode
+  workers.
+- vision: the vision stage the engine chooses (``--vision-stage``), ms per image at 336x336,
+  1280x720 and 1920x1080, batch 1 and 8, beside transformers' ``get_image_features`` on the same
+  pixels in the same process and the compute floor (its matrix FLOPs at the measured bf16
+  rate), and the relative difference of the two stages' rows.
+- check: the engine's first-token log-probabilities and greedy tokens against transformers'
+  own forward and ``generate`` on one request.
+
+Ceilings (copy bandwidth, bf16 matrix rate) are measured first. The last lines are a table;
+everything is also in $OUT/<family>.json. Exit status 1 when a request failed, the engine
+disagreed with transformers or the server did not start (goals missed are figures, not failures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import load_procs
+import serve_load as load
+from gpu_llava7b import ceilings, log, time_cuda
+from gpu_serve import Server
+
+SIZES = ((336, 336), (1280, 720), (1920, 1080))
+CUDA = torch.cuda.is_available()  # without a GPU (``--arch tiny``): a smoke run, no floors
+
+
+def timed(fn: Callable[[], object], reps: int, warmup: int) -> float:
+    """Median seconds per call: CUDA events on a GPU, the wall clock on the CPU."""
+    if CUDA:
+        return time_cuda(fn, reps=reps, warmup=warmup)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+MAX_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class FamilyBench:
+    """What differs between the two families: their random-directory writer and default shape."""
+
+    name: str  # the JSON's and the log's name
+    random_dir: ModuleType  # fovea.testing.random_qwen2_5_vl or random_qwen3_vl
+    default_arch: str
+
+
+# ---- counting ------------------------------------------------------------------------------
+
+def vision_flops(vision_config, grid: tuple[int, int, int]) -> float:
+    """Matrix FLOPs of one image through the tower: the patch embedding, every block's linears
+    over its patches, attention over its window (Qwen2.5-VL's window blocks) or the whole image,
+    and the merger(s) (Qwen3-VL: one per DeepStack level too)."""
+    cfg = vision_config
+    t, h, w = grid
+    patches = t * h * w
+    hidden, merge, depth = cfg.hidden_size, cfg.spatial_merge_size, cfg.depth
+    gated = hasattr(cfg, "fullatt_block_indexes")  # Qwen2.5-VL: SwiGLU MLP and window attention
+    block = 4 * hidden * hidden + (3 if gated else 2) * hidden * cfg.intermediate_size
+    if gated:
+        full = len(cfg.fullatt_block_indexes)
+        window = min((cfg.window_size // cfg.patch_size) ** 2, patches)
+        context = full * patches + (depth - full) * window
+    else:
+        context = depth * patches
+    attention = 4 * hidden * patches * context
+    merged = hidden * merge * merge
+    mergers = 1 + len(getattr(cfg, "deepstack_visual_indexes", None) or [])
+    merger = mergers * (merged * merged + merged * cfg.out_hidden_size)
+    embed = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2 * hidden
+    return 2 * (patches * (embed + depth * block) + merger * patches / (merge * merge)) + attention
+
+
+# ---- serve --------------------------------------------------------------------------------
+
+def startup_line(server: Server) -> str:
+    for line in server.log_path.read_text(errors="replace").splitlines():
+        if "start-up: ready after" in line:
+            return line.split("start-up: ", 1)[1]
+    return ""
+
+
+def serve_section(model_dir: Path, args, out: Path, topology: str, words: Callable[[int], str]) -> dict:
+    extra = ["--max-model-len", str(args.max_model_len), *args.server_args.split()]
+    if topology == "e_pd":
+        extra += ["--topology", "e_pd", "--encode-workers", str(args.encode_workers)]
+    server = Server(model_dir, out, topology, *extra, canary=True)
+    result: dict = {"topology": topology}
+    try:
+        result["ready_s"] = server.wait_ready(timeout=900)
+        health = httpx.get(server.url + "/health", timeout=30).json()
+        result["startup"] = health.get("startup")
+        result["startup_line"] = startup_line(server)
+        result["canary_ok"] = (health.get("canary") or {}).get("ok")
+        log(f"{topology}: ready after {result['ready_s']:.1f} s; {result['startup_line']}")
+        name = health["model"]
+        warm = [load.chat_body(name, 10_000 + i, words(i), 8, images=args.images, size=args.burst_size)
+                for i in range(4)]
+        load_procs.burst(server.url, warm, processes=2)
+        runs = []
+        for run in range(args.runs):
+            first = 100_000 * (run + 1)
+            bodies = [load.chat_body(name, first + i, words(first + i), MAX_TOKENS, images=args.images,
+                                     size=args.burst_size) for i in range(args.burst)]
+            results, wall = load_procs.burst(server.url, bodies, processes=args.client_processes)
+            summary = load.summarize(results, wall)
+            runs.append(summary)
+            log(f"{topology} burst {run + 1}: {summary.tok_s:.0f} tok/s, {summary.failed} failed, TTFT p50 "
+                f"{summary.ttft_p50_ms:.0f} p99 {summary.ttft_p99_ms:.0f} ms, TPOT p50 {summary.tpot_p50_ms:.1f} "
+                f"p99 {summary.tpot_p99_ms:.1f} ms {summary.errors}")
+        median = sorted(runs, key=lambda s: s.tok_s)[len(runs) // 2]
+        result["burst"] = {**median.__dict__, "tok_s": median.tok_s, "runs_tok_s": [s.tok_s for s in runs],
+                           "failed_total": sum(s.failed for s in runs)}
+        result["memory"] = httpx.get(server.url + "/health", timeout=30).json().get("memory")
+    except Exception as exc:  # noqa: BLE001 - reported as a problem, the other sections still run
+        result["error"] = f"{type(exc).__name__}: {exc}; log tail: {server.tail()}"
+        log(f"{topology}: {result['error']}")
+    finally:
+        server.stop()
+    return result
+
+
+# ---- vision ----------------------------------------------------------------------------------
+
+def photo(size: tuple[int, int], seed: int):
+    import io
+
+    from PIL import Image
+
+    return Image.open(io.BytesIO(load.photo_jpeg(seed, size))).convert("RGB")
+
+
+def image_inputs(loaded, size: tuple[int, int], count: int, seed: int) -> list:
+    """``count`` distinct photo-like images of ``size`` through the model's own processor."""
+    images = [photo(size, seed + i) for i in range(count)]
+    messages = [{"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": "x"}]}]
+    prompt = loaded.codec.encode(loaded.codec.render(messages), images)
+    return [dataclasses.replace(im, pixels=im.pixels.to(loaded.device)) for im in prompt.images]
+
+
+def fovea_vision_stage(loaded, which: str) -> tuple[Callable, str]:
+    """The vision forward the engine would run (``chosen``), or the adapter's eager one."""
+    if which == "eager":
+        return loaded.adapter.vision_forward(loaded), "the adapter's modules (eager)"
+    from fovea.engine.vision_stage import choose_vision_stage
+
+    stage = choose_vision_stage(loaded, enabled=True)
+    return stage.forward, stage.label
+
+
+def hf_vision(loaded) -> Callable:
+    model = loaded.model.model
+
+    def run(images: list) -> object:
+        pixels = torch.cat([im.pixels for im in images]).to(next(model.visual.parameters()).dtype)
+        grid = torch.tensor([im.grid for im in images], device=pixels.device)
+        return model.get_image_features(pixel_values=pixels, image_grid_thw=grid)
+
+    return run
+
+
+def hf_rows(loaded, out) -> torch.Tensor:
+    """transformers' output as the adapter's rows (the merged embedding, then DeepStack levels)."""
+    rows = loaded.adapter.vision_rows(out)
+    return torch.cat(list(rows)) if isinstance(rows, (list, tuple)) else rows
+
+
+def vision_section(loaded, args, c: dict) -> tuple[dict, list[tuple]]:
+    forward, label = fovea_vision_stage(loaded, args.vision_stage)
+    hf = hf_vision(loaded)
+    log(f"vision stage: {label}")
+    out: dict = {"stage": label, "cases": []}
+    rows = []
+    for size in SIZES:
+        for batch in (1, 8):
+            images = image_inputs(loaded, size, batch, seed=7 * batch + size[0])
+            flops = sum(vision_flops(loaded.model.config.vision_config, im.grid) for im in images)
+            with torch.inference_mode():
+                ours = timed(lambda images=images: forward(images), reps=args.vision_reps, warmup=2)
+                theirs = timed(lambda images=images: hf(images), reps=max(3, args.vision_reps // 3), warmup=1) \
+                    if not args.skip_hf else float("nan")
+                if batch == 1:
+                    got = torch.cat(forward(images)).float()
+                    ref = hf_rows(loaded, hf(images)).float() if not args.skip_hf else got
+                    rel = float((got - ref).norm() / ref.norm())
+                else:
+                    rel = float("nan")
+            floor = flops / c["bf16_matmul_flops"]
+            case = {"size": f"{size[0]}x{size[1]}", "batch": batch, "tokens_per_image": images[0].num_tokens,
+                    "patches_per_image": images[0].pixels.shape[0], "fovea_ms_per_image": 1e3 * ours / batch,
+                    "hf_ms_per_image": 1e3 * theirs / batch, "floor_ms_per_image": 1e3 * floor / batch,
+                    "fovea_share_of_floor": floor / ours, "rows_rel_diff_vs_hf": rel}
+            out["cases"].append(case)
+            log(f"vision {case}")
+            rows.append((f"vision {case['size']}", f"ms/image b{batch} ({case['tokens_per_image']} tok)",
+                         f"{case['fovea_ms_per_image']:.2f}", f"{case['hf_ms_per_image']:.2f}",
+                         f"{case['floor_ms_per_image']:.2f} ({100 * case['fovea_share_of_floor']:.0f}%)"))
+    return out, rows
+
+
+# ---- check against transformers ---------------------------------------------------------------
+
+def check_section(loaded, words: Callable[[int], str]) -> dict:
+    from fovea.engine.paged import PagedEngine, PagedEngineConfig
+    from fovea.engine.reference import reference_generate, reference_logits
+    from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
+    from fovea.engine.sampling import SamplingParams
+
+    image = photo((1280, 720), 3)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": words(3)}]}]
+    prompt = loaded.codec.encode(loaded.codec.render(messages), [image])
+    ref_tokens = reference_generate(loaded, prompt, 16)
+    ref_lp = torch.log_softmax(reference_logits(loaded, prompt), -1)
+    engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=8, max_model_len=min(8192, loaded.context_length), cuda_graphs=False,
+                                                   kv_cache_memory=(4 << 30) if CUDA else (256 << 20)))
+    engine.start()
+
+    async def first() -> tuple[list[int], torch.Tensor]:
+        tokens, logprobs = [], None
+        async for event in engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0),
+                                           want_first_logprobs=True):
+            if isinstance(event, TokenEvent) and event.token_id >= 0:
+                tokens.append(event.token_id)
+            elif isinstance(event, FinishEvent):
+                logprobs = event.first_logprobs
+            elif isinstance(event, ErrorEvent):
+                raise event.error
+        return tokens, logprobs
+
+    try:
+        tokens, logprobs = asyncio.run(first())
+    finally:
+        engine.stop()
+    rel = float((logprobs.to(ref_lp.device) - ref_lp).norm() / ref_lp.norm())
+    agree = next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(ref_tokens))
+    return {"first_logprobs_rel_err": rel, "greedy_prefix_equal": agree, "of": len(ref_tokens),
+            "prompt_tokens": len(prompt.input_ids)}
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+def parse_size(text: str) -> tuple[int, int]:
+    w, h = text.lower().split("x")
+    return int(w), int(h)
+
+
+def main(family: FamilyBench, doc: str) -> int:
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
+    parser.add_argument("--arch", default=family.default_arch, choices=sorted(family.random_dir.ARCHITECTURES))
+    parser.add_argument("--model-dir", type=Path, default=None, help="default: /tmp/fovea-<arch>")
+    parser.add_argument("--sections", default="serve,vision,check")
+    parser.add_argument("--topologies", default="agg", help="comma list of agg, e_pd")
+    parser.add_argument("--encode-workers", type=int, default=2)
+    parser.add_argument("--burst", type=int, default=64)
+    parser.add_argument("--images", type=int, default=2, help="images per request in the burst")
+    parser.add_argument("--burst-size", type=parse_size, default=(1280, 720))
+    parser.add_argument("--runs", type=int, default=3, help="bursts per topology (the median is reported)")
+    parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--max-model-len", type=int, default=16384)
+    parser.add_argument("--server-args", default="", help="extra `fovea serve` flags")
+    parser.add_argument("--vision-stage", choices=("chosen", "eager"), default="chosen")
+    parser.add_argument("--vision-reps", type=int, default=10)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = args.model_dir or Path(f"/tmp/fovea-{args.arch}")
+    sections = set(args.sections.split(","))
+    results: dict = {"family": family.name, "arch": args.arch, "args": {k: str(v) for k, v in vars(args).items()},
+                     "gpu": torch.cuda.get_device_name(0) if CUDA else "cpu", "torch": torch.__version__}
+    problems: list[str] = []
+    nan = float("nan")
+    c = results["ceilings"] = ceilings() if CUDA else {"copy_bandwidth_Bps": nan, "bf16_matmul_flops": nan}
+    log(f"ceilings: copy {c['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, bf16 {c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
+    device = "cuda" if CUDA else "cpu"
+    if CUDA:
+        torch.cuda.empty_cache()
+    if not (model_dir / "config.json").is_file():
+        t = time.time()
+        family.random_dir.write_model_dir(model_dir, args.arch, device=device)
+        log(f"wrote {model_dir} in {time.time() - t:.1f} s")
+        gc.collect()
+        if CUDA:
+            torch.cuda.empty_cache()
+    words = lambda seed: family.random_dir.prompt_words(args.arch, 64, seed=seed)
+    table: list[tuple] = []
+    if "serve" in sections:
+        results["serve"] = []
+        for topology in args.topologies.split(","):
+            r = serve_section(model_dir, args, args.out, topology, words)
+            results["serve"].append(r)
+            if "error" in r:
+                problems.append(f"{topology}: {r['error'][:300]}")
+                continue
+            b = r["burst"]
+            if b["failed_total"]:
+                problems.append(f"{topology}: {b['failed_total']} request(s) failed: {b['errors']}")
+            table.append((f"serve {topology}", "start-up to ready (canary on)", f"{r['ready_s']:.1f} s",
+                          "", "goal 30 s"))
+            table.append((f"serve {topology}", f"{args.burst} req x {args.images} img tok/s",
+                          f"{b['tok_s']:.0f} ({b['failed_total']} failed)", "", ""))
+            table.append((f"serve {topology}", "TTFT p50 / p99 ms", f"{b['ttft_p50_ms']:.0f} / {b['ttft_p99_ms']:.0f}",
+                          "", ""))
+            table.append((f"serve {topology}", "TPOT p50 / p99 ms", f"{b['tpot_p50_ms']:.1f} / {b['tpot_p99_ms']:.1f}",
+                          "", ""))
+    if sections & {"vision", "check"}:
+        from fovea.model.loader import load_model
+
+        loaded = load_model(model_dir, device, "bfloat16" if CUDA else "float32")
+        log(f"loaded in {loaded.load_seconds:.1f} s")
+        if "vision" in sections:
+            results["vision"], rows = vision_section(loaded, args, c)
+            table += rows
+        if "check" in sections:
+            check = results["check"] = check_section(loaded, words)
+            log(f"check: {check}")
+            if not check["first_logprobs_rel_err"] < 1e-2:
+                problems.append(f"first-token log-probs differ from transformers' by {check['first_logprobs_rel_err']:.2e}")
+            table.append(("check", "logprob rel err / greedy equal", f"{check['first_logprobs_rel_err']:.1e}",
+                          f"{check['greedy_prefix_equal']}/{check['of']}", "< 1e-2"))
+    results["problems"] = problems
+    (args.out / f"{family.name}.json").write_text(json.dumps(results, indent=2, default=str))
+    print(f"\n{family.name} ({args.arch}) on {results['gpu']}")
+    print(f"{'section':<22}{'metric':<34}{'fovea':>22}{'transformers':>14}{'floor/goal':>16}")
+    for r in table:
+        print(f"{r[0]:<22}{r[1]:<34}{r[2]:>22}{r[3]:>14}{r[4]:>16}")
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    return 1 if problems else 0
+
