@@ -16,8 +16,11 @@ from fovea.engine.paged import PagedEngine, PagedEngineConfig
 from fovea.engine.reference import reference_prompt_logprobs
 from fovea.engine.request import ErrorEvent, FinishEvent, PromptScoring
 from fovea.engine.sampling import SamplingParams
+from fovea.guard.canary import kl_divergence
+from fovea.guard.grounding import answer_dependence, answer_ids
 from fovea.model.loader import load_model
 from fovea.model.prompt import encode_prompt, render_chat
+from fovea.models.base import with_text_tokens
 from fovea.testing.tolerance import assert_close_to_model, model_path_len, reduction_atol
 
 # (family, image sizes, tokens per prefill step: each prompt takes several chunks)
@@ -170,3 +173,63 @@ def test_scoring_survives_a_preemption(family):
                                  (prompt, params, PromptScoring(top=2, full_rows=1))])
     assert engine.scheduler.num_preemptions > 0
     check_against_reference(model, prompt, second[0], 2, 1)
+
+
+def test_with_text_tokens_continues_the_prompt(family):
+    """The prompt plus text tokens: the same images, and for M-RoPE the positions transformers
+    gives the longer sequence (get_rope_index over it), the delta unchanged."""
+    name, model = family
+    prompt = prompt_of(name, model, seed=17)
+    longer = with_text_tokens(prompt, [5, 6, 7])
+    assert longer.input_ids == prompt.input_ids + [5, 6, 7] and longer.images == prompt.images
+    assert longer.position_delta == prompt.position_delta
+    if prompt.positions is None:
+        assert longer.positions is None
+        return
+    assert [row[:len(prompt.input_ids)] for row in longer.positions] == prompt.positions
+    ids = torch.tensor([longer.input_ids])
+    extra = model.adapter.reference_inputs(longer, torch.device("cpu"), model.image_token_id)
+    kwargs = {"image_grid_thw": extra["image_grid_thw"]}
+    if "mm_token_type_ids" in extra:
+        kwargs["mm_token_type_ids"] = extra["mm_token_type_ids"]
+    theirs, delta = model.model.model.get_rope_index(ids, **kwargs)
+    assert theirs[:, 0].tolist() == longer.positions and int(delta) == longer.position_delta
+    assert with_text_tokens(prompt, []).positions == prompt.positions
+
+
+def test_the_grounding_report_equals_transformers(family):
+    """The engine's grounding report (two scoring requests) against the KL of transformers'
+    teacher-forced forward over the same prompts, with the images and with blank ones."""
+    name, model = family
+    images = [noise(w, h, 20 + i) for i, (w, h) in enumerate(FAMILIES[name][0])]
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "you are"}]
+    text = render_chat(model, [{"role": "user", "content": content}])
+    prompt = encode_prompt(model, text, images)
+    twin = encode_prompt(model, text, [Image.new("RGB", im.size, (255, 255, 255)) for im in images])
+    engine = engine_for(name, model)
+    answer = "you are a helpful assistant you are a helpful"
+
+    async def main():
+        engine.start()
+        try:
+            return await answer_dependence(engine, model, prompt, twin, answer, threshold=0.05)
+        finally:
+            engine.stop()
+
+    report = asyncio.run(main())
+    ids = answer_ids(model, answer, engine.max_context)
+    m, length = len(ids), len(prompt.input_ids)
+    assert report["scored_tokens"] == m == 8
+    real = reference_prompt_logprobs(model, with_text_tokens(prompt, ids))[length - 1:length - 1 + m]
+    blank = reference_prompt_logprobs(model, with_text_tokens(twin, ids))[length - 1:length - 1 + m]
+    # KL(p||q) = sum p (a - b) over log-probabilities a, b that each err by at most e: it moves by
+    # at most e (2 + max|a - b|) (the p-weighted sum of the errors, and p's own change times a - b),
+    # plus the report's rounding to 6 decimals.
+    e = reduction_atol(torch.float32, model_path_len(model.model.config, length + m),
+                       max(float(real.abs().max()), float(blank.abs().max())))
+    for i, got in enumerate(report["kl_per_token"]):
+        want = kl_divergence(real[i], blank[i])
+        bound = e * (2 + float((real[i] - blank[i]).abs().max())) + 1e-6
+        assert abs(got - want) <= bound, (i, got, want, bound)
+    assert report["max_kl"] > 0 and report["image_dependent"] == (report["max_kl"] > 0.05)
+    assert engine.prompts_scored == 2

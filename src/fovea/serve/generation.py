@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -11,7 +10,6 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fovea.engine.image_encoder import ImageEncoder
 from fovea.engine.request import (
     ErrorEvent,
     FinishEvent,
@@ -106,12 +104,13 @@ def extension(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, fi
 
 
 async def grounding_report(state: ServerState, prompt: EncodedPrompt, twin: EncodedPrompt | None,
-                           answer: str) -> dict:
+                           answer: str, rid: str | None = None) -> dict:
+    """The answer scored by the engine with the request's images and with blank ones (guard/grounding.py)."""
     if twin is None:
         return {"image_dependent": None, "note": "the request carries no image"}
     threshold = state.canary.threshold or KL_FLOOR
-    images = ImageEncoder(state.loaded, state.engine.encoder_cache)
-    return await asyncio.to_thread(answer_dependence, state.loaded, images, prompt, twin, answer, threshold)
+    return await answer_dependence(state.engine, state.loaded, prompt, twin, answer, threshold,
+                                   request_id=f"{rid}-grounding" if rid else None)
 
 
 class Format:
@@ -221,7 +220,7 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     finishes = [a.finish for a in answers]
     extra = extension(state, req, prompt, finishes[0])
     if grounding:
-        extra["grounding"] = await grounding_report(state, prompt, twin, finishes[0].text)
+        extra["grounding"] = await grounding_report(state, prompt, twin, finishes[0].text, rid)
     choices = [fmt.choice(i, a.finish, None if params.logprobs is None else
                           LogprobFormatter(state.loaded.tokenizer, fmt.kind).format(a.logprobs))
                for i, a in enumerate(answers)]
@@ -327,7 +326,7 @@ async def _chunks(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
                     yield usage.stamp(chunk)
                 extra = extension(state, req, prompt, event)
                 if grounding:
-                    extra["grounding"] = await grounding_report(state, prompt, twin, event.text)
+                    extra["grounding"] = await grounding_report(state, prompt, twin, event.text, rid)
                 if extra:
                     last["fovea"] = extra
                 yield usage.stamp(last)
