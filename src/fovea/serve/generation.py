@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fovea.engine.request import (
     ErrorEvent,
     FinishEvent,
+    PromptScoring,
     Submission,
     TokenEvent,
     TokenLogprob,
@@ -26,7 +27,7 @@ from fovea.guard.grounding import answer_dependence
 from fovea.model.prompt import EncodedPrompt
 from fovea.serve import protocol
 from fovea.serve.event_stream import EventStream, sse
-from fovea.serve.logprobs_format import LogprobFormatter
+from fovea.serve.logprobs_format import LogprobFormatter, prompt_logprobs
 from fovea.serve.protocol import SamplingFields
 from fovea.serve.state import ServerState
 from fovea.serve.structured import compile_request_grammar
@@ -161,9 +162,9 @@ class Answer:
 
 
 async def run_choices(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
-                      want_first_logprobs: bool = False) -> list[Answer]:
-    """Every choice (``params.n``), in index order."""
-    events = state.engine.generate(prompt, params, rid, want_first_logprobs=want_first_logprobs)
+                      want_first_logprobs: bool = False, scoring: PromptScoring | None = None) -> list[Answer]:
+    """Every choice (``params.n``), in index order; ``scoring``: the prompt's, on choice 0's finish."""
+    events = state.engine.generate(prompt, params, rid, want_first_logprobs=want_first_logprobs, scoring=scoring)
     return await collect_choices(state, prompt, events, params.n, rid)
 
 
@@ -216,7 +217,7 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     if req.stream:
         submission = state.engine.submit(prompt, params, rid)  # refused (429) here, before the stream's 200
         return event_stream(state, req, [prompt], params, rid, submission, fmt, grounding, twin)
-    answers = await run_choices(state, prompt, params, rid)
+    answers = await run_choices(state, prompt, params, rid, scoring=req.prompt_scoring())
     finishes = [a.finish for a in answers]
     extra = extension(state, req, prompt, finishes[0])
     if grounding:
@@ -224,7 +225,21 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     choices = [fmt.choice(i, a.finish, None if params.logprobs is None else
                           LogprobFormatter(state.loaded.tokenizer, fmt.kind).format(a.logprobs))
                for i, a in enumerate(answers)]
-    return JSONResponse(fmt.response(rid, state.model_name, choices, total_usage(finishes), extra or None))
+    body = fmt.response(rid, state.model_name, choices, total_usage(finishes), extra or None)
+    if req.prompt_logprobs is not None:
+        add_prompt_logprobs(state, body, fmt, [answers[0].finish], params.n)
+    return JSONResponse(body)
+
+
+def add_prompt_logprobs(state: ServerState, body: dict, fmt: Format, scored: list[FinishEvent], n: int) -> None:
+    """vLLM's places: chat's on the response, completions' on every choice (the ``n`` choices of
+    each prompt share its list; ``scored`` holds each prompt's choice that scored it)."""
+    lists = [prompt_logprobs(state.loaded.tokenizer, finish.prompt_logprobs or []) for finish in scored]
+    if fmt.kind == "chat":
+        body["prompt_logprobs"] = lists[0]
+        return
+    for i, choice in enumerate(body["choices"]):
+        choice["prompt_logprobs"] = lists[i // n]
 
 
 def event_stream(state: ServerState, req: SamplingFields, prompts: list[EncodedPrompt], params: SamplingParams,
