@@ -169,7 +169,7 @@ def test_scoring_survives_a_preemption(family):
     blocks = -(-len(prompt.input_ids) // 16) + 3
     engine = PagedEngine(model, PagedEngineConfig(num_blocks=blocks, max_num_batched_tokens=12, max_num_seqs=3))
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    first, second = run(engine, [(prompt_of(name, model, seed=14), params, None),
+    _, second = run(engine, [(prompt_of(name, model, seed=14), params, None),
                                  (prompt, params, PromptScoring(top=2, full_rows=1))])
     assert engine.scheduler.num_preemptions > 0
     check_against_reference(model, prompt, second[0], 2, 1)
