@@ -265,20 +265,6 @@ def test_e_pd_hands_deepstack_rows_over_and_answers_as_agg(qwen3):
         stop_server(server, thread)
 
 
-def test_the_grounding_score_reference_carries_deepstack(qwen3):
-    """Per-request grounding teacher-forces transformers' language model on the engine's rows:
-    with the DeepStack levels passed, its next-token distribution is transformers' full forward's."""
-    from fovea.engine.encoder_cache import EncoderCache
-    from fovea.engine.image_encoder import ImageEncoder
-    from fovea.guard.grounding import answer_logprobs
-
-    prompt = chat(qwen3, [noise(300, 200, 70), noise(64, 90, 71)])
-    got = answer_logprobs(qwen3, ImageEncoder(qwen3, EncoderCache()), prompt, [5])
-    ref = torch.log_softmax(reference_logits(qwen3, prompt), -1)
-    assert got.shape == (1, ref.shape[0])
-    assert_close_to_model(got[0], ref, qwen3.model.config, len(prompt.input_ids))
-
-
 def test_preempted_sequences_recompute_their_deepstack_rows(qwen3):
     """A KV cache too small for every request at once: sequences are preempted and recomputed
     (their prompt, DeepStack rows included, and the tokens they had generated); answers still

@@ -160,6 +160,14 @@ def _logprobs(post, ep):
         refused(post(ep, logprobs=21), "logprobs", code="invalid_request")
 
 
+def _prompt_logprobs(post, ep):  # the layout, n and the refusals: test_prompt_logprobs.py
+    body = ok(post(ep, temperature=0, prompt_logprobs=2))
+    entries = body["prompt_logprobs"] if ep == fields.CHAT else body["choices"][0]["prompt_logprobs"]
+    assert len(entries) == body["usage"]["prompt_tokens"] and entries[0] is None
+    assert all(len(entry) in (2, 3) for entry in entries[1:]) and text_of(body) == ANSWER
+    refused(post(ep, prompt_logprobs=21), "prompt_logprobs", code="invalid_prompt_logprobs")
+
+
 def _top_logprobs(post, ep):
     body = ok(post(ep, temperature=0, logprobs=True, top_logprobs=3))
     chosen, tops = _entries(body)
@@ -298,7 +306,7 @@ HONOURED_CHECKS = {
     "temperature": _temperature, "top_p": _top_p, "seed": _seed, "stop": _stop, "stream": _stream,
     "stream_options": _stream_options, "n": _n, "ignore_eos": _ignore_eos, "min_tokens": _min_tokens,
     "fovea": _fovea, "add_special_tokens": _add_special_tokens, "logprobs": _logprobs,
-    "top_logprobs": _top_logprobs, "presence_penalty": _presence_penalty,
+    "top_logprobs": _top_logprobs, "prompt_logprobs": _prompt_logprobs, "presence_penalty": _presence_penalty,
     "frequency_penalty": _frequency_penalty, "repetition_penalty": _repetition_penalty, "logit_bias": _logit_bias,
     "stop_token_ids": _stop_token_ids, "top_k": _top_k, "min_p": _min_p,
     "response_format": _unsatisfiable("response_format", {"type": "json_object"}),

@@ -36,3 +36,14 @@ def reference_logits(loaded: LoadedModel, prompt: EncodedPrompt, generated: list
     extra = loaded.adapter.reference_inputs(prompt, loaded.device, loaded.image_token_id)
     out = loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **extra)
     return out.logits[0, -1].float()
+
+
+@torch.inference_mode()
+def reference_prompt_logprobs(loaded: LoadedModel, prompt: EncodedPrompt) -> torch.Tensor:
+    """[len(prompt), vocab] float32 log-probabilities at every prompt position, teacher-forced:
+    ``log_softmax`` of transformers' logits over the prompt and its images (row p predicts token
+    p + 1). The reference of the engine's prompt scoring (``PromptScoring``) and grounding."""
+    ids = torch.tensor([loaded.adapter.reference_ids(prompt, loaded.image_token_id)], device=loaded.device)
+    extra = loaded.adapter.reference_inputs(prompt, loaded.device, loaded.image_token_id)
+    out = loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **extra)
+    return torch.log_softmax(out.logits[0].float(), dim=-1)

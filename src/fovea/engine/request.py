@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling import MAX_LOGPROBS, SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
 from fovea.model.prompt import EncodedPrompt
 
@@ -28,6 +28,28 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+    rank: int | None = None  # 1 + tokens strictly more likely (prompt tokens' entries carry it)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScoring:
+    """What a request asks the engine to score of its own prompt, teacher-forced from its prefill
+    (``engine/paged/prompt_scores.py``); the answers come in its ``FinishEvent``.
+
+    ``top``: vLLM's ``prompt_logprobs``: for every prompt token but the first, its log-probability
+    and rank under the distribution at the position before it, and that distribution's ``top``
+    most likely tokens (0..MAX_LOGPROBS); None: not asked. ``full_rows``: the whole [vocab]
+    log-probability rows of the distributions that predict the prompt's last ``full_rows``
+    tokens (grounding scores: the answer tokens appended to a prompt)."""
+
+    top: int | None = None
+    full_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top is not None and not 0 <= self.top <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}")
+        if self.full_rows < 0:
+            raise ValueError("full_rows must be >= 0")
 
 
 @dataclass(slots=True)
@@ -48,6 +70,10 @@ class FinishEvent:
     total_s: float
     first_logprobs: torch.Tensor | None = None  # [vocab] log-probabilities of the first token, if asked
     index: int = 0
+    # PromptScoring's answers (None unless asked; with n > 1 only the choice that scored carries
+    # them): one entry per prompt token from the second on, and [full_rows, vocab] float32 rows.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_rows: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +95,7 @@ class EngineRequest:
     cancelled: threading.Event = field(default_factory=threading.Event)
     want_first_logprobs: bool = False  # for grounding scores and the canary's image ablation
     first_logprobs: torch.Tensor | None = None
+    scoring: PromptScoring | None = None  # score the prompt (one choice of an n > 1 request asks)
     index: int = 0  # which of the request's n choices this is
     # Shared by the n choices of one request (None when n = 1): the scheduler admits a choice
     # after its sibling's prefill, so that it takes the prompt's blocks from the prefix cache.
@@ -170,7 +197,9 @@ class Submission:
     Constructing it queues the request or refuses it at once (429 ``Overloaded``): a caller that
     streams over HTTP submits before the response starts, so a request that will not be queued
     is never a 200 whose stream stops. With ``params.n`` > 1 the request is n engine requests,
-    one per choice (``params.choice(i)``), whose events carry their ``index``; ``events`` ends
+    one per choice (``params.choice(i)``), whose events carry their ``index``; a ``scoring`` of the
+    prompt is asked of choice 0 alone (the prompt is scored once; choices after it take its
+    blocks from the prefix cache), and only its ``FinishEvent`` carries it; ``events`` ends
     when every choice has finished, or at the first error (the other choices are then
     cancelled). ``cancel`` (also run when ``events`` stops early) makes the worker drop the
     request or free its KV blocks at the next step.
@@ -178,7 +207,7 @@ class Submission:
 
     def __init__(self, work_queue: queue.Queue[EngineRequest | None], max_queue: int | None,
                  prompt: EncodedPrompt, params: SamplingParams, request_id: str | None,
-                 want_first_logprobs: bool) -> None:
+                 want_first_logprobs: bool, scoring: PromptScoring | None = None) -> None:
         mailbox = LoopMailbox.of(asyncio.get_running_loop())
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         rid = request_id or uuid.uuid4().hex
@@ -195,7 +224,7 @@ class Submission:
         requests = [EngineRequest(request_id=rid if n == 1 else f"{rid}-{i}", prompt=prompt,
                                   params=params if n == 1 else params.choice(i), emit=emitter(i),
                                   cancelled=self.cancelled, want_first_logprobs=want_first_logprobs, index=i,
-                                  group=group)
+                                  group=group, scoring=scoring if i == 0 else None)
                     for i in range(n)]
         try:
             for request in requests:

@@ -6,51 +6,61 @@ next-token distributions at each of the first answer tokens says how much the im
 the answer; ``image_dependent`` compares the largest of them with the canary's calibrated
 threshold. (The first token alone is not enough: a description that always starts with
 "a" depends on the image only from its second word on.)
+
+Both scorings are requests to the engine like any other: the prompt with the answer's first
+tokens appended (``with_text_tokens``) asks for the whole log-probability rows of the
+positions that predict those tokens (``PromptScoring.full_rows``), read from its own prefill,
+and samples one token that nobody reads. The scheduler batches them with the rest of the
+work; no second forward (and no memory set aside for one) exists for grounding.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
 
 import torch
 
-from fovea.engine.image_encoder import ImageEncoder, check_image_row_count, token_embeddings
+from fovea.engine.request import ErrorEvent, FinishEvent, PromptScoring
+from fovea.engine.sampling import SamplingParams
 from fovea.guard.canary import kl_divergence
 from fovea.model.loader import LoadedModel
-from fovea.models.base import EncodedPrompt, reference_position_ids
+from fovea.models.base import EncodedPrompt, with_text_tokens
 
 SCORED_TOKENS = 8
-_ONE_AT_A_TIME = threading.Lock()
+_ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-@torch.inference_mode()
-def answer_logprobs(loaded: LoadedModel, images: ImageEncoder, prompt: EncodedPrompt,
-                    answer_ids: list[int]) -> torch.Tensor:
-    """[len(answer_ids), vocab] log-probabilities of each answer position, teacher-forced.
-
-    ``images`` is backed by the engine's encoder cache: the request's own images were just
-    encoded there, so only the blank twin's are encoded here."""
-    ids = torch.tensor(prompt.input_ids + answer_ids, device=loaded.device)
-    found = images.rows_for([prompt])
-    rows = [found[k] for k in prompt.image_hashes]
-    mask = ids == loaded.image_token_id
-    check_image_row_count(int(mask.sum()), rows, "grounding")
-    embeds = token_embeddings(loaded, ids).unsqueeze(0)
-    flat = torch.cat(rows) if rows else embeds.new_zeros((0, embeds.shape[-1]))
-    positions = reference_position_ids(prompt, ids.shape[0], loaded.device, loaded.adapter.uses_mrope())
-    logits = loaded.adapter.embeds_logits(loaded.model, embeds, mask, flat, positions, len(answer_ids) + 1)
-    return torch.log_softmax(logits[0, :-1].float(), dim=-1).cpu()
+def answer_ids(loaded: LoadedModel, answer_text: str, room: int, scored_tokens: int = SCORED_TOKENS) -> list[int]:
+    """The answer's first tokens to score, at most ``room`` of them (at least one): an empty
+    answer scores its end-of-sequence decision."""
+    ids = loaded.tokenizer(answer_text, add_special_tokens=False)["input_ids"][:min(scored_tokens, room)]
+    return ids or [min(t for t in loaded.eos_token_ids if isinstance(t, int) and t >= 0)]
 
 
-def answer_dependence(loaded: LoadedModel, images: ImageEncoder, prompt: EncodedPrompt, blank_twin: EncodedPrompt,
-                      answer_text: str, threshold: float, scored_tokens: int = SCORED_TOKENS) -> dict:
-    ids = loaded.tokenizer(answer_text, add_special_tokens=False)["input_ids"][:scored_tokens]
-    if not ids:
-        ids = [next(iter(loaded.eos_token_ids))]  # an empty answer: score its end-of-sequence decision
-    # One scoring at a time: the memory plan has one line for this forward ("grounding forward").
-    with _ONE_AT_A_TIME:
-        real = answer_logprobs(loaded, images, prompt, ids)
-        blank = answer_logprobs(loaded, images, blank_twin, ids)
+async def answer_logprobs(engine, prompt: EncodedPrompt, ids: list[int], request_id: str | None = None
+                          ) -> torch.Tensor:
+    """[len(ids), vocab] float32 log-probabilities of each answer position, teacher-forced by the
+    engine (``engine``: a ``PagedEngine``)."""
+    scoring = PromptScoring(full_rows=len(ids))
+    async for event in engine.generate(with_text_tokens(prompt, ids), _ONE_TOKEN, request_id, scoring=scoring):
+        if isinstance(event, ErrorEvent):
+            raise event.error
+        if isinstance(event, FinishEvent):
+            assert event.prompt_rows is not None
+            return event.prompt_rows
+    raise RuntimeError("the engine ended a grounding score without finishing it")
+
+
+async def answer_dependence(engine, loaded: LoadedModel, prompt: EncodedPrompt, blank_twin: EncodedPrompt,
+                            answer_text: str, threshold: float, scored_tokens: int = SCORED_TOKENS,
+                            request_id: str | None = None) -> dict:
+    # Each scoring is its prompt, the answer's tokens and the one token it samples: within the
+    # per-sequence limit (re-tokenised text may count more tokens than the answer had).
+    room = engine.max_context - len(prompt.input_ids) - 1
+    ids = answer_ids(loaded, answer_text, room, scored_tokens)
+    rid = request_id or "grounding"
+    real, blank = await asyncio.gather(answer_logprobs(engine, prompt, ids, f"{rid}-image"),
+                                       answer_logprobs(engine, blank_twin, ids, f"{rid}-blank"))
     kls = [kl_divergence(real[i], blank[i]) for i in range(len(ids))]
     return {
         "scored_tokens": len(ids),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -108,18 +108,17 @@ def pixel_hash(pixels: torch.Tensor, grid: Sequence[int] | None = None) -> str:
     return digest.hexdigest()
 
 
-def reference_position_ids(prompt: EncodedPrompt | None, length: int, device: torch.device,
-                           mrope: bool) -> torch.Tensor | None:
-    """transformers' ``position_ids`` for the prompt (None: no prompt, plain text) followed by
-    more tokens, ``length`` in all: [3, 1, length] for an M-RoPE model, None (the model's own
-    1-D count) otherwise. M-RoPE models always get them explicitly: without input_ids,
-    transformers derives them from the rope deltas its last call left behind (of another batch)."""
-    if not mrope:
-        return None
-    rows = prompt.positions if prompt is not None and prompt.positions is not None else [[], [], []]
-    delta = prompt.position_delta if prompt is not None else 0
-    full = [row + list(range(len(row) + delta, length + delta)) for row in rows]
-    return torch.tensor(full, dtype=torch.long, device=device).unsqueeze(1)
+def with_text_tokens(prompt: EncodedPrompt, token_ids: list[int]) -> EncodedPrompt:
+    """``prompt`` followed by the text tokens ``token_ids`` (an answer, teacher-forced), with the
+    same images. M-RoPE positions continue past the prompt as any later token's do: token i at
+    i + ``position_delta`` on all three rows, so the delta is unchanged."""
+    positions = None
+    if prompt.positions is not None:
+        start = len(prompt.input_ids) + prompt.position_delta
+        tail = list(range(start, start + len(token_ids)))
+        positions = [list(row) + tail for row in prompt.positions]
+    return replace(prompt, input_ids=[*prompt.input_ids, *token_ids], images=list(prompt.images),
+                   positions=positions)
 
 
 def tokenize_rendered(tokenizer: Any, text: str) -> dict[str, bool]:
@@ -315,17 +314,7 @@ class ModelAdapter(ABC):
         videos with a token of their own)."""
         return list(prompt.input_ids)
 
-    def embeds_logits(self, model: torch.nn.Module, embeds: torch.Tensor, image_mask: torch.Tensor,
-                      rows: torch.Tensor, position_ids: torch.Tensor | None, keep: int) -> torch.Tensor:
-        """transformers' logits [1, keep, vocab] of the last ``keep`` positions of ``embeds`` ([1, T,
-        hidden] token embeddings) with the vision stage's ``rows`` at the ``image_mask`` ([T])
-        positions: the teacher-forced reference of per-request grounding."""
-        if rows.numel():
-            embeds[0, image_mask] = rows.to(embeds.dtype)
-        extra = {} if position_ids is None else {"position_ids": position_ids}
-        return model(inputs_embeds=embeds, logits_to_keep=keep, use_cache=False, **extra).logits
-
     def reference_inputs(self, prompt: EncodedPrompt, device: torch.device, image_token_id: int) -> dict[str, Any]:
-        """transformers' own forward/generate inputs for ``prompt`` (the reference that tests,
-        ``fovea doctor`` and grounding compare against), without input_ids."""
+        """transformers' own forward/generate inputs for ``prompt`` (the reference that tests and
+        ``fovea doctor`` compare against), without input_ids."""
         return {}

@@ -216,20 +216,6 @@ class Qwen3_VLAdapter(Qwen2_5_VLAdapter):
         return LanguageModelSpec(model.model.language_model, None if tied else model.lm_head, text, section,
                                  mrope_interleaved=True, deepstack_layers=levels)
 
-    def embeds_logits(self, model: torch.nn.Module, embeds: torch.Tensor, image_mask: torch.Tensor,
-                      rows: torch.Tensor, position_ids: torch.Tensor | None, keep: int) -> torch.Tensor:
-        # The rows hold the DeepStack levels beside the embedding: transformers' language model
-        # takes them as deepstack_visual_embeds (its top-level forward only derives them from pixels).
-        hidden = embeds.shape[-1]
-        rows = rows.to(embeds.dtype)
-        levels = [rows[:, hidden * (k + 1):hidden * (k + 2)] for k in range(rows.shape[-1] // hidden - 1)]
-        if rows.numel():
-            embeds[0, image_mask] = rows[:, :hidden]
-        out = model.model.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
-                                         visual_pos_masks=image_mask.unsqueeze(0) if levels else None,
-                                         deepstack_visual_embeds=levels or None)
-        return model.lm_head(out.last_hidden_state[:, -keep:])
-
     @staticmethod
     def video_timing(videos: list[ImageInput], device: torch.device) -> dict[str, Any]:
         return {}  # the timestamps are text in the prompt; get_rope_index takes no seconds

@@ -15,11 +15,18 @@ from dataclasses import replace
 
 from fastapi.responses import JSONResponse, Response
 
-from fovea.engine.request import ErrorEvent, Event, FinishEvent, Submission
+from fovea.engine.request import ErrorEvent, Event, FinishEvent, PromptScoring, Submission
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch
 from fovea.serve import protocol
-from fovea.serve.generation import TEXT, collect_choices, event_stream, sampling_params, total_usage
+from fovea.serve.generation import (
+    TEXT,
+    add_prompt_logprobs,
+    collect_choices,
+    event_stream,
+    sampling_params,
+    total_usage,
+)
 from fovea.serve.logprobs_format import LogprobFormatter
 from fovea.serve.protocol import CompletionRequest
 from fovea.serve.state import ServerState
@@ -82,12 +89,14 @@ class BatchSubmission:
                 task.cancel()
 
 
-def admit(state: ServerState, prompts: list[EncodedPrompt], params: list, rid: str) -> BatchSubmission:
-    """Every prompt queued now, or none (a refusal cancels those already queued)."""
+def admit(state: ServerState, prompts: list[EncodedPrompt], params: list, rid: str,
+          scoring: PromptScoring | None = None) -> BatchSubmission:
+    """Every prompt queued now, or none (a refusal cancels those already queued); ``scoring``:
+    each prompt's, asked of its first choice."""
     submissions: list[Submission] = []
     try:
         for k, (prompt, one) in enumerate(zip(prompts, params, strict=True)):
-            submissions.append(state.engine.submit(prompt, one, f"{rid}-{k}"))
+            submissions.append(state.engine.submit(prompt, one, f"{rid}-{k}", scoring=scoring))
     except BaseException:
         for submission in submissions:
             submission.cancel()
@@ -112,7 +121,7 @@ async def respond_batch(state: ServerState, req: CompletionRequest, prompts: lis
     for one in params:
         one.grammar = grammar
     rid = protocol.completion_id("cmpl")
-    batch = admit(state, prompts, params, rid)
+    batch = admit(state, prompts, params, rid, req.prompt_scoring())
     whole = replace(params[0], n=req.n * len(prompts))  # the response's choices, over every prompt
     if req.stream:
         return event_stream(state, req, prompts, whole, rid, batch, TEXT)
@@ -122,4 +131,7 @@ async def respond_batch(state: ServerState, req: CompletionRequest, prompts: lis
                            LogprobFormatter(state.loaded.tokenizer, TEXT.kind).format(a.logprobs))
                for i, a in enumerate(answers)]
     usage = total_usage([a.finish for a in answers], req.n)
-    return JSONResponse(TEXT.response(rid, state.model_name, choices, usage, None))
+    body = TEXT.response(rid, state.model_name, choices, usage, None)
+    if req.prompt_logprobs is not None:
+        add_prompt_logprobs(state, body, TEXT, [a.finish for a in answers[::req.n]], req.n)
+    return JSONResponse(body)

@@ -100,6 +100,13 @@ FIELDS: tuple[Field, ...] = (
           "`text_offset`; streamed too. The model's raw log-probabilities, before bias, penalties and temperature "
           "(vLLM's default); an end-of-sequence or stop token that ends the answer has no entry"),
     Field("top_logprobs", HONOURED, "0 to 20 alternatives per token; needs `logprobs: true`", frozenset({CHAT})),
+    Field("prompt_logprobs", HONOURED, "vLLM extension, an integer 0 to 20: the prompt's own log-probabilities, "
+          "teacher-forced from its prefill, as vLLM lays them out: a list with one entry per prompt token (image "
+          "placeholder tokens included), `null` for the first, then `{\"<token id>\": {\"logprob\", \"rank\", "
+          "\"decoded_token\"}}` holding the prompt's own token (always, with its rank) and the `prompt_logprobs` "
+          "most likely tokens; on the response (chat) or on each choice (completions, every choice of a prompt the "
+          "same list: the prompt is scored once). Another value is a 400 `invalid_prompt_logprobs`; with "
+          "`stream: true` a 400 `unsupported_parameter` (it is not streamed)", example=2),
     Field("presence_penalty", HONOURED, "-2 to 2, subtracted from the logit of every token already generated"),
     Field("frequency_penalty", HONOURED, "-2 to 2, times each token's count in the answer so far, subtracted from "
           "its logit"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -11,10 +10,10 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fovea.engine.image_encoder import ImageEncoder
 from fovea.engine.request import (
     ErrorEvent,
     FinishEvent,
+    PromptScoring,
     Submission,
     TokenEvent,
     TokenLogprob,
@@ -28,7 +27,7 @@ from fovea.guard.grounding import answer_dependence
 from fovea.model.prompt import EncodedPrompt
 from fovea.serve import protocol
 from fovea.serve.event_stream import EventStream, sse
-from fovea.serve.logprobs_format import LogprobFormatter
+from fovea.serve.logprobs_format import LogprobFormatter, prompt_logprobs
 from fovea.serve.protocol import SamplingFields
 from fovea.serve.state import ServerState
 from fovea.serve.structured import compile_request_grammar
@@ -106,12 +105,13 @@ def extension(state: ServerState, req: SamplingFields, prompt: EncodedPrompt, fi
 
 
 async def grounding_report(state: ServerState, prompt: EncodedPrompt, twin: EncodedPrompt | None,
-                           answer: str) -> dict:
+                           answer: str, rid: str | None = None) -> dict:
+    """The answer scored by the engine with the request's images and with blank ones (guard/grounding.py)."""
     if twin is None:
         return {"image_dependent": None, "note": "the request carries no image"}
     threshold = state.canary.threshold or KL_FLOOR
-    images = ImageEncoder(state.loaded, state.engine.encoder_cache)
-    return await asyncio.to_thread(answer_dependence, state.loaded, images, prompt, twin, answer, threshold)
+    return await answer_dependence(state.engine, state.loaded, prompt, twin, answer, threshold,
+                                   request_id=f"{rid}-grounding" if rid else None)
 
 
 class Format:
@@ -162,9 +162,9 @@ class Answer:
 
 
 async def run_choices(state: ServerState, prompt: EncodedPrompt, params: SamplingParams, rid: str,
-                      want_first_logprobs: bool = False) -> list[Answer]:
-    """Every choice (``params.n``), in index order."""
-    events = state.engine.generate(prompt, params, rid, want_first_logprobs=want_first_logprobs)
+                      want_first_logprobs: bool = False, scoring: PromptScoring | None = None) -> list[Answer]:
+    """Every choice (``params.n``), in index order; ``scoring``: the prompt's, on choice 0's finish."""
+    events = state.engine.generate(prompt, params, rid, want_first_logprobs=want_first_logprobs, scoring=scoring)
     return await collect_choices(state, prompt, events, params.n, rid)
 
 
@@ -217,15 +217,29 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     if req.stream:
         submission = state.engine.submit(prompt, params, rid)  # refused (429) here, before the stream's 200
         return event_stream(state, req, [prompt], params, rid, submission, fmt, grounding, twin)
-    answers = await run_choices(state, prompt, params, rid)
+    answers = await run_choices(state, prompt, params, rid, scoring=req.prompt_scoring())
     finishes = [a.finish for a in answers]
     extra = extension(state, req, prompt, finishes[0])
     if grounding:
-        extra["grounding"] = await grounding_report(state, prompt, twin, finishes[0].text)
+        extra["grounding"] = await grounding_report(state, prompt, twin, finishes[0].text, rid)
     choices = [fmt.choice(i, a.finish, None if params.logprobs is None else
                           LogprobFormatter(state.loaded.tokenizer, fmt.kind).format(a.logprobs))
                for i, a in enumerate(answers)]
-    return JSONResponse(fmt.response(rid, state.model_name, choices, total_usage(finishes), extra or None))
+    body = fmt.response(rid, state.model_name, choices, total_usage(finishes), extra or None)
+    if req.prompt_logprobs is not None:
+        add_prompt_logprobs(state, body, fmt, [answers[0].finish], params.n)
+    return JSONResponse(body)
+
+
+def add_prompt_logprobs(state: ServerState, body: dict, fmt: Format, scored: list[FinishEvent], n: int) -> None:
+    """vLLM's places: chat's on the response, completions' on every choice (the ``n`` choices of
+    each prompt share its list; ``scored`` holds each prompt's choice that scored it)."""
+    lists = [prompt_logprobs(state.loaded.tokenizer, finish.prompt_logprobs or []) for finish in scored]
+    if fmt.kind == "chat":
+        body["prompt_logprobs"] = lists[0]
+        return
+    for i, choice in enumerate(body["choices"]):
+        choice["prompt_logprobs"] = lists[i // n]
 
 
 def event_stream(state: ServerState, req: SamplingFields, prompts: list[EncodedPrompt], params: SamplingParams,
@@ -327,7 +341,7 @@ async def _chunks(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
                     yield usage.stamp(chunk)
                 extra = extension(state, req, prompt, event)
                 if grounding:
-                    extra["grounding"] = await grounding_report(state, prompt, twin, event.text)
+                    extra["grounding"] = await grounding_report(state, prompt, twin, event.text, rid)
                 if extra:
                     last["fovea"] = extra
                 yield usage.stamp(last)

@@ -85,3 +85,24 @@ class LogprobFormatter:
         tops = [{**{self.token(t): lp for t, lp in e.top}, self.token(e.token_id): e.logprob} for e in entries]
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
                 "text_offset": offsets}
+
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token float32 gives no probability at all (as vLLM clamps)
+
+
+def prompt_logprobs(tokenizer: Any, entries: list[TokenLogprob]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: ``null`` for the first prompt token, then per token a dict of
+    ``"<token id>": {"logprob", "rank", "decoded_token"}`` holding the prompt's own token (with
+    its rank, whether or not it is among the top ones) and the top tokens (ranks 1..k). Each
+    distinct id is decoded once, in one batch."""
+    ids = sorted({e.token_id for e in entries} | {t for e in entries for t, _ in e.top})
+    text = dict(zip(ids, tokenizer.batch_decode([[i] for i in ids]))) if ids else {}
+    out: list[dict | None] = [None]
+    for e in entries:
+        row = {str(e.token_id): {"logprob": max(e.logprob, LOGPROB_FLOOR), "rank": e.rank,
+                                 "decoded_token": text[e.token_id]}}
+        for rank, (token, logprob) in enumerate(e.top, 1):
+            row.setdefault(str(token), {"logprob": max(logprob, LOGPROB_FLOOR), "rank": rank,
+                                        "decoded_token": text[token]})
+        out.append(row)
+    return out

@@ -17,6 +17,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from fovea.engine.request import PromptScoring
 from fovea.engine.sampling import MAX_LOGPROBS
 from fovea.errors import InvalidRequest
 from fovea.serve import fields
@@ -141,6 +142,8 @@ class SamplingFields(BaseModel):
     # Token id (a string of digits, as JSON keys are) -> bias added to its logit.
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     fovea: FoveaOptions | None = None
+    # vLLM's extension: 0..MAX_LOGPROBS top tokens beside each prompt token's own log-probability.
+    prompt_logprobs: Any = None
     # vLLM's extension: whether the tokenizer adds its special tokens (a BOS) to the prompt; None:
     # chat's template writes them (no second BOS), a raw prompt gets the tokenizer's default.
     add_special_tokens: bool | None = Field(default=None, strict=True)
@@ -166,6 +169,30 @@ class SamplingFields(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
         return stops
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _prompt_logprobs(cls, value: Any) -> int | None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not 0 <= value <= MAX_LOGPROBS):
+            raise InvalidRequest(f"prompt_logprobs is {value!r}; it must be an integer from 0 to {MAX_LOGPROBS}: how "
+                                 "many of the most likely tokens to list beside each prompt token's own "
+                                 "log-probability (0: the prompt token alone). Send one in that range, or leave it "
+                                 "out.", code="invalid_prompt_logprobs", param="prompt_logprobs")
+        return value
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise fields.UnsupportedParameter(
+                "prompt_logprobs is not streamed: the prompt's log-probabilities are read from its prefill and sent "
+                "with the whole answer. Send the request with stream: false, or leave prompt_logprobs out.",
+                param="prompt_logprobs")
+        return self
+
+    def prompt_scoring(self) -> PromptScoring | None:
+        """What the request asks the engine to score of its prompt (None: nothing)."""
+        return None if self.prompt_logprobs is None else PromptScoring(top=self.prompt_logprobs)
 
     @field_validator("logit_bias")
     @classmethod

@@ -33,6 +33,7 @@ from fovea.engine.request import (
     EngineRequest,
     ErrorEvent,
     Event,
+    PromptScoring,
     Submission,
     check_fits_context,
     check_token_ids,
@@ -96,6 +97,7 @@ class PagedEngine:
         # scheduling, vision, launching the forward, waiting for the GPU, emitting tokens).
         self.phase_seconds = dict.fromkeys(("schedule", "embed", "forward", "sample_wait", "emit"), 0.0)
         self.queued_seconds = 0.0  # summed time from arrival until the worker took each request
+        self.prompts_scored = 0  # requests that scored their prompt (PromptScoring)
         # When a list: one (launch seconds, decodes, prefill tokens, prefill chunks) per step,
         # for benchmarks that look for slow steps. None (the default) records nothing.
         self.step_trace: list[tuple[float, int, int, int]] | None = None
@@ -147,13 +149,18 @@ class PagedEngine:
                                  "requests (--max-queue); ask for fewer.", param="n")
 
     def submit(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
-               want_first_logprobs: bool = False) -> Submission:
+               want_first_logprobs: bool = False, scoring: PromptScoring | None = None) -> Submission:
         """Queue one request now, or refuse it now (400 for one that cannot fit, 429 when the
-        queue is full); its events come from the returned ``Submission.events()``."""
+        queue is full); its events come from the returned ``Submission.events()``. ``scoring``:
+        score the prompt from its own prefill (its answers come in the ``FinishEvent``)."""
         if self._dead is not None:
             raise EngineStopped(f"the engine worker died: {type(self._dead).__name__}: {self._dead}")
         self.check_fits(prompt, params)
-        return Submission(self._queue, self.config.max_queue, prompt, params, request_id, want_first_logprobs)
+        if scoring is not None and scoring.full_rows > len(prompt.input_ids) - 1:
+            raise InvalidRequest(f"{scoring.full_rows} full rows asked of a prompt of {len(prompt.input_ids)} "
+                                 "tokens: its first token has no distribution before it.")
+        return Submission(self._queue, self.config.max_queue, prompt, params, request_id, want_first_logprobs,
+                          scoring)
 
     def refuse_when_full(self) -> None:
         """A 429 now when --max-queue is reached: the routes ask before fetching and decoding a
@@ -163,10 +170,11 @@ class PagedEngine:
             raise overloaded(self.config.max_queue)
 
     async def generate(self, prompt: EncodedPrompt, params: SamplingParams, request_id: str | None = None,
-                       want_first_logprobs: bool = False) -> AsyncIterator[Event]:
+                       want_first_logprobs: bool = False, scoring: PromptScoring | None = None
+                       ) -> AsyncIterator[Event]:
         """Stream the events of one request (submitted at the first ``__anext__``); cancel it if
         the consumer stops early."""
-        submission = self.submit(prompt, params, request_id, want_first_logprobs)
+        submission = self.submit(prompt, params, request_id, want_first_logprobs, scoring)
         async with contextlib.aclosing(submission.events()) as events:
             async for event in events:
                 yield event
@@ -231,6 +239,7 @@ class PagedEngine:
                     "prompt carries none (it was not built by this model's codec)", status=500)))
                 continue
             self._next_id += 1
+            self.prompts_scored += request.scoring is not None
             self.queued_seconds += time.perf_counter() - request.arrival
             self.scheduler.add(Sequence(self._next_id, request, self.loaded.image_token_id,
                                         self.loaded.device, self.loaded.tokenizer))

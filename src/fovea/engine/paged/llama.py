@@ -265,11 +265,14 @@ class PagedLlama:
     @torch.inference_mode()  # never let autograd record the KV-cache writes (the weights require grad)
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, cache: KVCache,
                 logit_rows: torch.Tensor | None = None,
-                deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
+                score_rows: torch.Tensor | None = None):
         """hidden: [T, hidden] input embeddings -> logits [rows, vocab] (model dtype) of
-        ``logit_rows`` (all rows if None). ``deepstack``: see ``add_deepstack``."""
+        ``logit_rows`` (all rows if None). ``deepstack``: see ``add_deepstack``. With
+        ``score_rows``: (those logits, the final-normed hidden states of ``score_rows``), whose
+        logits the caller takes through ``lm_logits`` a slice at a time (prompt scoring)."""
         if self.fused:
-            return self._forward_fused(hidden, positions, meta, cache, logit_rows, deepstack)
+            return self._forward_fused(hidden, positions, meta, cache, logit_rows, deepstack, score_rows)
         tokens = hidden.shape[0]
         cos_table, sin_table, index = self.rope_tables(positions)
         cos = cos_table[index].unsqueeze(1)  # [T, 1, D]: broadcasts over heads
@@ -290,13 +293,20 @@ class PagedLlama:
             gated = F.silu(F.linear(x, w.gate, w.gate_bias)) * F.linear(x, w.up, w.up_bias)
             hidden = hidden + F.linear(gated, w.down, w.down_bias)
             self.add_deepstack(hidden, deepstack, index)
+        scored = rms_norm(hidden[score_rows], self.final_norm, self.eps) if score_rows is not None else None
         if logit_rows is not None:
             hidden = hidden[logit_rows]
-        return F.linear(rms_norm(hidden, self.final_norm, self.eps), self.lm_head)
+        logits = F.linear(rms_norm(hidden, self.final_norm, self.eps), self.lm_head)
+        return logits if scored is None else (logits, scored)
+
+    def lm_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-normed rows (``forward``'s ``score_rows``)."""
+        return (triton_ops.linear if self.fused else F.linear)(normed, self.lm_head)
 
     def _forward_fused(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttnMeta, cache: KVCache,
                        logit_rows: torch.Tensor | None,
-                       deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       score_rows: torch.Tensor | None = None):
         """The same forward with fused weights and kernels. ``hidden`` is the residual stream
         and is updated in place."""
         tokens = hidden.shape[0]
@@ -329,6 +339,10 @@ class PagedLlama:
                 down = torch.zeros_like(down)
             if index + 1 < len(self.layers):
                 x = triton_ops.add_rms_norm(down, self.layers[index + 1].in_norm, self.eps, residual=hidden)
+        scored = None
+        if score_rows is not None:  # first: without logit_rows the residual add below is in place
+            scored = triton_ops.add_rms_norm(down[score_rows], self.final_norm, self.eps, residual=hidden[score_rows])
         if logit_rows is not None:
             hidden, down = hidden[logit_rows], down[logit_rows]
-        return linear(triton_ops.add_rms_norm(down, self.final_norm, self.eps, residual=hidden), self.lm_head)
+        logits = linear(triton_ops.add_rms_norm(down, self.final_norm, self.eps, residual=hidden), self.lm_head)
+        return logits if scored is None else (logits, scored)

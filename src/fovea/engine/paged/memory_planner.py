@@ -9,10 +9,10 @@ On CUDA (``Planner.plan``), in order, each phase measured from a settled allocat
    buffers, which must not happen under load;
 4. the vision stage's CUDA graphs (held);
 5. the worst step (a peak): a vision batch, then two overlapped steps of
-   max_num_batched_tokens tokens sampling max_num_seqs rows with log-probabilities;
-6. transformers' forward over max_model_len tokens, which per-request grounding scores run;
-7. the decode graphs, captured once against a one-block probe cache (held);
-8. what the process holds outside torch: with NVML its own usage (CUDA context, workspaces,
+   max_num_batched_tokens tokens sampling max_num_seqs rows with log-probabilities (prompt
+   scoring takes its rows through the LM head in slices within those rows: prompt_scores.py);
+6. the decode graphs, captured once against a one-block probe cache (held);
+7. what the process holds outside torch: with NVML its own usage (CUDA context, workspaces,
    kernel modules); without it, the device-wide growth since start-up (``runtime_line``);
 then the caches that fill while serving (encoder cache, prompt embeddings in flight) and a
 headroom line, and the KV cache gets the rest (``memory_plan.plan_kv``).
@@ -46,7 +46,6 @@ from fovea.engine.paged.memory_plan import (
     runtime_line,
 )
 from fovea.engine.paged.memory_profile import CudaMeter, measure, tensor_bytes
-from fovea.models.base import reference_position_ids
 from fovea.startup_clock import STARTUP
 
 if TYPE_CHECKING:
@@ -180,9 +179,6 @@ class Planner:
         lines.append(PlanLine("step peak", step, f"measured: a vision batch of {cfg.vision_batch_size}, then two "
                               f"overlapped steps of {cfg.max_num_batched_tokens} tokens sampling {rows} rows "
                               "with log-probabilities"))
-        _, _, reference = measure(meter, self._reference_forward)
-        lines.append(PlanLine("grounding forward", reference, f"measured: transformers' forward over "
-                              f"{cfg.max_model_len} tokens (per-request grounding scores, one at a time)"))
         if r.decode_graphs_enabled:
             probe = KVCache(self.shape, 1, device)
             with STARTUP.phase("decode graphs (sizing)"):
@@ -249,16 +245,6 @@ class Planner:
         params = SamplingParams(temperature=0.7, top_p=0.9)
         drawn = [sample_next_on_device(logits[i], params, generator) for i in range(min(SAMPLED_ROWS, len(logits)))]
         return logits.argmax(dim=-1), torch.log_softmax(logits, dim=-1), drawn
-
-    @torch.inference_mode()
-    def _reference_forward(self) -> torch.Tensor:
-        model = self.runner.loaded.model
-        hidden = self.runner.llama.embed.shape[1]
-        length = self.config.max_model_len
-        embeds = torch.randn((1, length, hidden), dtype=self.runner.llama.dtype, device=self.device)
-        positions = reference_position_ids(None, length, self.device, self.runner.loaded.adapter.uses_mrope())
-        extra = {} if positions is None else {"position_ids": positions}
-        return model(inputs_embeds=embeds, use_cache=False, logits_to_keep=9, **extra).logits
 
     def _capture(self, probe: KVCache):
         graphs = self.runner.build_graphs(cache=probe)

@@ -27,6 +27,7 @@ from fovea.engine.paged.kernel_selfcheck import triton_self_check
 from fovea.engine.paged.kv_cache import KVCache, KVPlan
 from fovea.engine.paged.llama import PagedLlama
 from fovea.engine.paged.memory_planner import Planner
+from fovea.engine.paged.prompt_scores import PromptScores, score_step
 from fovea.engine.paged.scheduler import Chunk, StepPlan
 from fovea.engine.paged.sequence import Sequence
 from fovea.engine.paged.staging import resolve_pending, to_device
@@ -219,7 +220,9 @@ class ModelRunner:
     def execute(self, plan: StepPlan, previous: torch.Tensor | None = None) -> torch.Tensor:
         """Run the step; logits [sampling chunks, vocab] float32, in plan order. A decode's
         input token may still be on the device (``staging.pending_token``): it is read from
-        ``previous``, the last step's sampled tokens, without waiting for them."""
+        ``previous``, the last step's sampled tokens, without waiting for them. A prefill chunk
+        of a sequence that scores its prompt has its rows scored and handed to it
+        (``prompt_scores.score_step``)."""
         device = self.device
         decodes, prefills = plan.chunks[:plan.num_decodes], plan.chunks[plan.num_decodes:]
         batch = self._decode_batch(decodes) if decodes else None
@@ -237,8 +240,17 @@ class ModelRunner:
         hidden_width = self.llama.embed.shape[1]
         deep_rows: list[int] = []  # batch rows of image tokens in this step's prefill chunks (DeepStack)
         deep_parts: list[torch.Tensor] = []
+        scored: list[tuple[PromptScores, int, int]] = []  # (a sequence's scores, first row position, rows)
+        score_rows: list[int] = []  # batch rows whose final hidden states are scored, in ``scored`` order
+        score_targets: list[int] = []  # the prompt token each of them predicts
         for c in prefills:
             seq, offset = c.seq, len(ids)
+            if seq.scores is not None:
+                lo, hi = seq.scores.wanted(c.start, c.end)
+                if hi > lo:
+                    score_rows.extend(range(offset + lo - c.start, offset + hi - c.start))
+                    score_targets.extend(seq.token_ids[lo + 1:hi + 1])
+                    scored.append((seq.scores, lo, hi - lo))
             ids.extend(seq.token_ids[c.start:c.end])
             if mrope:
                 for row, out in zip(chunk_positions(seq, c.start, c.end), rows3):
@@ -274,7 +286,11 @@ class ModelRunner:
         use_prefill_kernel = bool(spans) and self.attention.batched_prefill
         if use_prefill_kernel:
             arrays += PrefillBatch.arrays(spans, tables)
+        if scored:
+            arrays += [(score_rows, torch.long), (score_targets, torch.long)]
         staged = to_device(device, arrays)
+        if scored:
+            *staged, score_t, target_t = staged
         ids_t, pos_t, slots_t, rows_t, deep_t = staged[:5]
         if mrope:
             pos_t = pos_t.view(3, -1)
@@ -293,4 +309,11 @@ class ModelRunner:
         if deep_rows:
             levels = self.llama.deepstack_layers
             deepstack = (deep_t, torch.cat(deep_parts).view(len(deep_rows), levels, hidden_width))
-        return self.llama.forward(hidden, pos_t, meta, self.cache, logit_rows, deepstack).float()
+        if not scored:
+            return self.llama.forward(hidden, pos_t, meta, self.cache, logit_rows, deepstack).float()
+        logits, normed = self.llama.forward(hidden, pos_t, meta, self.cache, logit_rows, deepstack, score_t)
+        logits = logits.float()
+        # Logits of at most max_num_seqs rows at once, the step's sampled rows included: what the
+        # memory profile's step holds.
+        score_step(self.llama.lm_logits, normed, target_t, scored, max(1, self.config.max_num_seqs - len(rows)))
+        return logits

@@ -89,6 +89,8 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.prompt_embeds = None  # recomputed (through the encoder cache) on readmission
+        if seq.scores is not None:
+            seq.scores.reset()  # its prompt is computed, and scored, again from the start
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -180,7 +182,10 @@ class Scheduler:
                 continue
             if self.max_prefill_tokens is not None and held and held + seq.prompt_len > self.max_prefill_tokens:
                 break  # its prompt embeddings would pass the plan's bound: wait for a prefill to finish
-            hits = blocks.lookup(seq)
+            # A sequence that scores its prompt computes every prompt position: a cached block
+            # holds K/V, not the hidden states its rows are read from. (Its own blocks still go
+            # into the prefix cache for those after it: an n > 1 request's other choices.)
+            hits = blocks.lookup(seq) if seq.scores is None else []
             start = len(hits) * bs
             room = (len(hits) + blocks.num_free - blocks.admit_cost(hits)) * bs - start
             n = min(seq.num_tokens - start, budget, room)

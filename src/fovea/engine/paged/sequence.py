@@ -8,6 +8,7 @@ import time
 import torch
 
 from fovea.engine.detokenize import IncrementalDetokenizer
+from fovea.engine.paged.prompt_scores import PromptScores
 from fovea.engine.paged.staging import pending_token
 from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent, TokenLogprob
 from fovea.engine.sampling import make_generator
@@ -79,6 +80,9 @@ class Sequence:
         self.pending_row: int | None = None
         self.first_token_s: float | None = None
         self.grammar = start_grammar(request.params.grammar)  # structured outputs; None: free text
+        # Teacher-forced scores of the prompt, filled by its prefill chunks (prompt_scores.py).
+        self.scores = PromptScores(request.scoring, self.token_ids, self.prompt_len) \
+            if request.scoring is not None else None
 
     @property
     def num_tokens(self) -> int:
@@ -160,6 +164,7 @@ class Sequence:
         if tail:
             self.request.emit(TokenEvent(tail, -1))
         req = self.request
+        scored = self.scores is not None and reason != "cancelled"  # (a cancelled one may be partial)
         req.emit(FinishEvent(
             finish_reason=reason,
             text=self.detok.text,
@@ -168,4 +173,6 @@ class Sequence:
             first_token_s=self.first_token_s,
             total_s=time.perf_counter() - req.arrival,
             first_logprobs=req.first_logprobs,
+            prompt_logprobs=self.scores.logprobs() if scored else None,
+            prompt_rows=self.scores.rows() if scored else None,
         ))
