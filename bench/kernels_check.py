@@ -39,10 +39,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from fovea.engine.paged import triton_util
+from fovea.engine.paged import triton_ops, triton_util
 from fovea.engine.paged.attention import paged_decode_torch
 from fovea.engine.paged.triton_decode import DecodeConfig, _device_sms, choose_config, paged_decode
-from fovea.engine.paged.triton_ops import _kernels as _ops_kernels
 from fovea.engine.paged.triton_ops import add_rms_norm, gemv, rope_write_kv, silu_mul
 from fovea.engine.paged.triton_prefill import PrefillConfig, paged_prefill, tile_config
 from fovea.engine.paged.triton_util import time_cuda
@@ -399,7 +398,7 @@ def ops_bench(device: torch.device) -> None:
             t_tri = triton.testing.do_bench(lambda x=x, w=w: gemv(x, w), warmup=10, rep=100)
             t_cub = triton.testing.do_bench(lambda x=x, w=w: F.linear(x, w), warmup=10, rep=100)
             gb = w.numel() * 2 / 1e12
-            best = getattr(_ops_kernels()[3], "best_config", None)
+            best = triton_ops._GEMV_CONFIG.get(triton_ops.gemv_key(x, w))
             print(f"{name:10s}{rows:5d}{1e3 * t_tri:11.1f}{gb / (t_tri / 1e3):7.2f}{1e3 * t_cub:11.1f}"
                   f"{gb / (t_cub / 1e3):7.2f}  {best}")
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fovea.engine.paged import triton_ops
+from fovea.engine.paged import triton_ops, tuning_cache
 from fovea.engine.paged.kv_cache import KVCache, KVShape
 from fovea.engine.paged.logits_processors import penalise, penalty_slots, token_counts_bytes
 from fovea.engine.paged.memory_plan import (
@@ -46,6 +46,7 @@ from fovea.engine.paged.memory_plan import (
     runtime_line,
 )
 from fovea.engine.paged.memory_profile import CudaMeter, measure, tensor_bytes
+from fovea.engine.paged.tuning_cache import TuningCache
 from fovea.startup_clock import STARTUP
 
 if TYPE_CHECKING:
@@ -219,8 +220,15 @@ class Planner:
         """Every choice made on first use, made now: for each row count the matrix-vector kernel
         may take, one step of that many tokens times it against cuBLAS on every weight shape
         (the timing allocates a cache-flush buffer); sampling kernels load once."""
+        cache = TuningCache.for_model(self.device, dict(self.runner.loaded.model.named_parameters())) \
+            if tuning_cache.enabled() else None
+        cached = cache.load() if cache is not None else 0
         for rows in range(1, triton_ops.GEMV_MAX_ROWS + 1):
             self._sample(self.runner.dummy_step(scratch, tokens=rows, rows=rows))
+        if cache is not None:
+            saved = cache.save()
+            log.info("kernel choices: %d from the tuning cache%s (%s)", cached,
+                     ", the rest timed and saved" if saved else "", cache.path)
 
     @torch.inference_mode()
     def _worst_steps(self, scratch: KVCache) -> tuple:

@@ -103,17 +103,6 @@ def _kernels():
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(OUT + row * stride_o + cols, (act * u).to(dt), mask=ok)
 
-    def gemv_configs():
-        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w)
-                for bn, bk, w in ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4),
-                                  (16, 512, 8), (16, 1024, 8), (32, 256, 4), (4, 2048, 8), (2, 2048, 4))]
-
-    def quick_bench(fn, quantiles=None):
-        if os.environ.get("TRITON_INTERPRET") == "1":  # CPU interpreter (tests): nothing to time
-            fn()
-            return [1.0] * len(quantiles) if quantiles else 1.0
-        return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
-
     @triton.jit
     def gemv_plain(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -141,10 +130,7 @@ def _kernels():
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
-    # The autotuned kernel the engine uses; the plain one takes an explicit launch (sweeps).
-    gemv_kernel = triton.autotune(configs=gemv_configs(), key=["M", "N", "K"], do_bench=quick_bench)(
-        triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(gemv_plain))
-    return add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel, gemv_kernel, gemv_plain
+    return add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel, gemv_plain
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -188,16 +174,40 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# The launch configurations the matrix-vector kernel is timed in: (BLOCK_N, BLOCK_K, num_warps).
+GEMV_CONFIGS = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4), (16, 512, 8), (16, 1024, 8),
+                (32, 256, 4), (4, 2048, 8), (2, 2048, 4))
+GEMV_STAGES = 3  # triton.Config's default, which these configurations were chosen under
+# Choices made on first use of a shape, by timing (start-up makes them all: memory_planner);
+# ``tuning_cache`` keeps them between starts. Keys: (rows, N, K, dtype name).
+_GEMV_CONFIG: dict[tuple, tuple[int, int, int]] = {}  # -> the fastest of GEMV_CONFIGS
+_GEMV_CHOICE: dict[tuple, bool] = {}  # -> the Triton kernel beat cuBLAS
+
+
+def gemv_key(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    return (x.shape[0], weight.shape[0], weight.shape[1], str(x.dtype).removeprefix("torch."))
+
+
+def _fastest_gemv_config(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
+    """Time every configuration on this shape (the first one, untimed, under the CPU
+    interpreter or inside a graph capture, where nothing can be timed)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_current_stream_capturing():
+        return GEMV_CONFIGS[0]
+    import triton
+
+    times = [triton.testing.do_bench(lambda c=c: gemv_launch(x, weight, *c, GEMV_STAGES), warmup=5, rep=25)
+             for c in GEMV_CONFIGS]
+    return GEMV_CONFIGS[min(range(len(times)), key=times.__getitem__)]
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T for M <= GEMV_MAX_ROWS (both K-contiguous)."""
-    kernel = _kernels()[3]
-    rows, k = x.shape
-    n = weight.shape[0]
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    grid = lambda meta: (-(-n // meta["BLOCK_N"]),)
-    kernel[grid](x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                 BLOCK_M=max(1, next_pow2(rows)))
-    return y
+    """x [M, K] @ weight[N, K]^T for M <= GEMV_MAX_ROWS (both K-contiguous), in the launch
+    configuration timed fastest on this shape."""
+    key = gemv_key(x, weight)
+    config = _GEMV_CONFIG.get(key)
+    if config is None:
+        config = _GEMV_CONFIG[key] = _fastest_gemv_config(x, weight)
+    return gemv_launch(x, weight, *config, GEMV_STAGES)
 
 
 def gemv_launch(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: int, num_warps: int,
@@ -206,21 +216,18 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: in
     rows, k = x.shape
     n = weight.shape[0]
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _kernels()[4][(-(-n // block_n),)](x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
+    _kernels()[3][(-(-n // block_n),)](x, weight, y, rows, n, k, x.stride(0), weight.stride(0), y.stride(0),
                                        BLOCK_M=max(1, next_pow2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
                                        EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages)
     return y
-
-
-_GEMV_CHOICE: dict[tuple, bool] = {}  # (rows, N, K, dtype) -> the Triton kernel beat cuBLAS
 
 
 def _triton_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Time both on this shape once (weights streamed from memory, as in a decode step)."""
     import triton
 
-    if torch.cuda.is_current_stream_capturing():
-        return False  # no timing inside a graph capture; the warm-up before it decided
+    if torch.cuda.is_current_stream_capturing() or os.environ.get("TRITON_INTERPRET") == "1":
+        return False  # nothing to time: inside a graph capture (the warm-up before it decided), or interpreted
     t_triton = triton.testing.do_bench(lambda: gemv(x, weight), warmup=5, rep=20)
     t_cublas = triton.testing.do_bench(lambda: F.linear(x, weight), warmup=5, rep=20)
     log.debug("matrix-vector %sx%s rows=%d: triton %.1f us, cuBLAS %.1f us", weight.shape[0], weight.shape[1],
@@ -233,7 +240,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     measured faster than cuBLAS on this shape (decided on first use, per shape)."""
     if (bias is None and x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1
             and weight.is_contiguous()):
-        key = (x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
+        key = gemv_key(x, weight)
         use = _GEMV_CHOICE.get(key)
         if use is None:
             use = _GEMV_CHOICE[key] = _triton_gemv_is_faster(x, weight)

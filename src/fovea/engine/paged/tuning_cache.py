@@ -1,0 +1,147 @@
+"""Kernel choices timed at start-up, remembered between starts of the same model on the same GPU.
+
+The engine times, for every row count a decode can have and every weight shape, the Triton
+matrix-vector kernel's launch configurations and the kernel against cuBLAS (``triton_ops``).
+That is ~16 s of a 7B start-up, and the answer only changes with the GPU, the software or the
+shapes. So the choices are kept in a JSON file under ``$FOVEA_CACHE_DIR`` (default
+``~/.cache/fovea``), one file per key:
+
+- the key is the GPU's name and compute capability, the CUDA, torch, triton and fovea versions,
+  and the model's fingerprint (the names, shapes and dtypes of its language-model weights);
+- the file stores its own key, and is used only when the stored key equals this start's, every
+  entry is well-formed and every configuration is one the kernel is timed in; anything else is
+  ignored with a warning, and the choices are timed again and the file rewritten;
+- a choice missing from the file (a shape seen for the first time) is timed as without a cache.
+
+A stale file can cost speed, never correctness: every configuration computes the same product,
+and the kernels' start-up self-check runs whatever the cache says. ``FOVEA_TUNING_CACHE=0``
+turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from fovea import __version__
+from fovea.engine.paged import triton_ops
+
+log = logging.getLogger("fovea.engine.paged")
+
+FORMAT = 1
+
+
+def enabled() -> bool:
+    return os.environ.get("FOVEA_TUNING_CACHE", "1") not in ("0", "off", "false", "no")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FOVEA_CACHE_DIR") or Path.home() / ".cache" / "fovea")
+
+
+def model_fingerprint(weights: dict[str, torch.Tensor]) -> str:
+    """What the choices depend on in a model: its weights' names, shapes and dtypes (not values)."""
+    text = ";".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in sorted(weights.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_key(device: torch.device, fingerprint: str) -> dict[str, str]:
+    import triton
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return {"gpu": torch.cuda.get_device_name(device), "capability": f"{major}.{minor}",
+            "cuda": str(torch.version.cuda), "torch": torch.__version__, "triton": triton.__version__,
+            "fovea": __version__, "model": fingerprint}
+
+
+def path_for(key: dict[str, str]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / f"tuning-{digest}.json"
+
+
+def _entry_key(text: str) -> tuple:
+    rows, n, k, dtype = text.split(",")
+    return int(rows), int(n), int(k), dtype
+
+
+def _entry_text(key: tuple) -> str:
+    return ",".join(str(part) for part in key)
+
+
+def parse(data: object, key: dict[str, str]) -> tuple[dict, dict] | str:
+    """(configurations, Triton-vs-cuBLAS choices) from a file's JSON, or why it is not trusted."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return "an unknown format"
+    if data.get("key") != key:
+        return "a different key (GPU, versions or model)"
+    configs, choices = {}, {}
+    known = set(triton_ops.GEMV_CONFIGS)
+    try:
+        for text, config in data["gemv_config"].items():
+            config = tuple(config)
+            if config not in known:
+                return f"configuration {config} is not one the kernel is timed in"
+            configs[_entry_key(text)] = config
+        for text, use in data["gemv_choice"].items():
+            if not isinstance(use, bool):
+                return f"choice {use!r} is not true or false"
+            choices[_entry_key(text)] = use
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return f"a malformed entry ({type(exc).__name__}: {exc})"
+    return configs, choices
+
+
+class TuningCache:
+    """Load the choices before start-up's kernel timings, save what they added after."""
+
+    def __init__(self, key: dict[str, str]) -> None:
+        self.key = key
+        self.path = path_for(key)
+        self.loaded_entries = 0
+
+    @classmethod
+    def for_model(cls, device: torch.device, weights: dict[str, torch.Tensor]) -> TuningCache:
+        return cls(cache_key(device, model_fingerprint(weights)))
+
+    def load(self) -> int:
+        """Put the file's choices into ``triton_ops``; returns how many it held (0: none trusted)."""
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError) as exc:
+            log.warning("kernel tuning cache %s is unreadable (%s): timing the kernels again", self.path, exc)
+            return 0
+        parsed = parse(data, self.key)
+        if isinstance(parsed, str):
+            log.warning("kernel tuning cache %s not used: it has %s; timing the kernels again", self.path, parsed)
+            return 0
+        configs, choices = parsed
+        triton_ops._GEMV_CONFIG.update(configs)
+        triton_ops._GEMV_CHOICE.update(choices)
+        self.loaded_entries = len(configs) + len(choices)
+        return self.loaded_entries
+
+    def save(self) -> bool:
+        """Write the current choices (atomically) when they add to what was loaded."""
+        configs, choices = dict(triton_ops._GEMV_CONFIG), dict(triton_ops._GEMV_CHOICE)
+        if len(configs) + len(choices) <= self.loaded_entries:
+            return False
+        data = {"format": FORMAT, "key": self.key,
+                "gemv_config": {_entry_text(k): list(v) for k, v in configs.items()},
+                "gemv_choice": {_entry_text(k): v for k, v in choices.items()}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+                json.dump(data, f, indent=1)
+            os.replace(f.name, self.path)
+        except OSError as exc:  # a read-only home: the next start times again, nothing else changes
+            log.warning("kernel tuning cache not saved to %s: %s", self.path, exc)
+            return False
+        return True

@@ -1,0 +1,92 @@
+"""The kernel tuning cache: used only when its key and every entry check out, saved atomically."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fovea.engine.paged import triton_ops, tuning_cache
+from fovea.engine.paged.tuning_cache import TuningCache, model_fingerprint
+
+KEY = {"gpu": "NVIDIA H200", "capability": "9.0", "cuda": "13.0", "torch": "2.11.0", "triton": "3.6.0",
+       "fovea": "0", "model": "abc"}
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOVEA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(triton_ops, "_GEMV_CONFIG", {})
+    monkeypatch.setattr(triton_ops, "_GEMV_CHOICE", {})
+
+
+def test_choices_round_trip_through_the_file() -> None:
+    triton_ops._GEMV_CONFIG[(1, 4096, 4096, "bfloat16")] = triton_ops.GEMV_CONFIGS[3]
+    triton_ops._GEMV_CHOICE[(1, 4096, 4096, "bfloat16")] = True
+    triton_ops._GEMV_CHOICE[(4, 32064, 4096, "bfloat16")] = False
+    writer = TuningCache(KEY)
+    assert writer.save()
+    triton_ops._GEMV_CONFIG.clear()
+    triton_ops._GEMV_CHOICE.clear()
+    reader = TuningCache(KEY)
+    assert reader.load() == 3
+    assert triton_ops._GEMV_CONFIG == {(1, 4096, 4096, "bfloat16"): triton_ops.GEMV_CONFIGS[3]}
+    assert triton_ops._GEMV_CHOICE == {(1, 4096, 4096, "bfloat16"): True, (4, 32064, 4096, "bfloat16"): False}
+    assert not reader.save()  # nothing new since the load: the file is not rewritten
+
+
+def test_another_key_gets_another_file_and_none_of_its_choices() -> None:
+    triton_ops._GEMV_CHOICE[(1, 8, 8, "float16")] = True
+    TuningCache(KEY).save()
+    triton_ops._GEMV_CHOICE.clear()
+    other = TuningCache({**KEY, "gpu": "NVIDIA H100 80GB HBM3"})
+    assert other.path != TuningCache(KEY).path
+    assert other.load() == 0 and not triton_ops._GEMV_CHOICE
+
+
+@pytest.mark.parametrize("tamper, why", [
+    (lambda d: d.update(key={**KEY, "triton": "9.9"}), "a different key"),
+    (lambda d: d.update(format=99), "an unknown format"),
+    (lambda d: d["gemv_config"].update({"1,8,8,float16": [3, 3, 3]}), "is not one the kernel is timed in"),
+    (lambda d: d["gemv_choice"].update({"1,8,8,float16": "yes"}), "is not true or false"),
+    (lambda d: d["gemv_choice"].update({"1,8,float16": True}), "a malformed entry"),
+    (lambda d: d.pop("gemv_config"), "a malformed entry"),
+])
+def test_a_file_that_does_not_check_out_is_ignored_whole(tamper, why, caplog) -> None:
+    triton_ops._GEMV_CONFIG[(2, 16, 16, "bfloat16")] = triton_ops.GEMV_CONFIGS[1]
+    triton_ops._GEMV_CHOICE[(2, 16, 16, "bfloat16")] = True
+    cache = TuningCache(KEY)
+    cache.save()
+    data = json.loads(cache.path.read_text())
+    tamper(data)
+    cache.path.write_text(json.dumps(data))
+    triton_ops._GEMV_CONFIG.clear()
+    triton_ops._GEMV_CHOICE.clear()
+    with caplog.at_level("WARNING", logger="fovea.engine.paged"):
+        assert TuningCache(KEY).load() == 0
+    assert not triton_ops._GEMV_CONFIG and not triton_ops._GEMV_CHOICE  # not even the good entries
+    assert why in caplog.text
+
+
+def test_an_unreadable_file_is_ignored(caplog) -> None:
+    cache = TuningCache(KEY)
+    cache.path.parent.mkdir(parents=True, exist_ok=True)
+    cache.path.write_text("{not json")
+    with caplog.at_level("WARNING", logger="fovea.engine.paged"):
+        assert cache.load() == 0
+    assert "unreadable" in caplog.text
+
+
+def test_the_fingerprint_follows_shapes_and_dtypes_not_values() -> None:
+    a = {"w": torch.zeros(4, 8), "b": torch.zeros(8)}
+    assert model_fingerprint(a) == model_fingerprint({"b": torch.ones(8), "w": torch.randn(4, 8)})
+    assert model_fingerprint(a) != model_fingerprint({"w": torch.zeros(4, 9), "b": torch.zeros(8)})
+    assert model_fingerprint(a) != model_fingerprint({"w": torch.zeros(4, 8, dtype=torch.bfloat16),
+                                                      "b": torch.zeros(8)})
+
+
+def test_it_can_be_switched_off(monkeypatch) -> None:
+    assert tuning_cache.enabled()
+    monkeypatch.setenv("FOVEA_TUNING_CACHE", "0")
+    assert not tuning_cache.enabled()
