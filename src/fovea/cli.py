@@ -265,15 +265,19 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         )
     except ValueError as exc:  # a combination of flags that cannot work: one line, no traceback
         raise FoveaError(str(exc)) from None
+    from fovea.startup_clock import STARTUP
+
     if not pd_worker:  # its front checked these
         from fovea.serve.startup_checks import check_before_load
 
-        check_before_load(settings, front=bool(settings.pd_workers))
+        with STARTUP.phase("checks before load"):
+            check_before_load(settings, front=bool(settings.pd_workers))
     if settings.pd_workers:
         from fovea.front.app import run_front
 
         return run_front(settings, argv, args.log_level)
-    from fovea.serve.app import create_app  # torch and the engine: not for a front
+    with STARTUP.phase("imports"):
+        from fovea.serve.app import create_app  # torch and the engine: not for a front
 
     if pd_worker:
         from fovea.disagg.parent_watch import exit_with_parent

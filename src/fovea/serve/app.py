@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from fovea import __version__
 from fovea.config import SWITCH, ServerSettings
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine.paged import PagedEngine, PagedEngineConfig, kernel_selfcheck
 from fovea.engine.paged.config import VISION_BATCH
 from fovea.engine.paged.memory_plan import check_weights_fit
 from fovea.errors import FoveaError
@@ -70,6 +70,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     """Build the app; ``loaded`` lets tests share one loaded model between apps."""
     if loaded is None:
         check_fits_before_load(settings)
+        device = resolve_device(settings.device)
+        kernel_selfcheck.start_early(device, resolve_dtype(settings.dtype, device))  # compiles while loading
         with STARTUP.phase("load weights"):
             loaded = load_model(settings.model, settings.device, settings.dtype)
     with STARTUP.phase("contract"):

@@ -1,7 +1,9 @@
 """The engine's start-up self-check of its Triton kernels: one small case each against torch.
 
-``ModelRunner`` runs ``triton_self_check`` before it trusts the kernels; any disagreement (or
-failure) sends the engine to the torch path: slower, never wrong. The full checks over many
+``ModelRunner`` runs ``triton_self_check`` (through ``self_check``) before it trusts the kernels;
+any disagreement (or failure) sends the engine to the torch path: slower, never wrong. On a
+first start most of the check's seconds are Triton compiling the kernels, so a server starts it
+in a thread before it reads the weights (``start_early``): compiling and loading overlap. The full checks over many
 shapes are ``bench/kernels_check.py --kernel decode|prefill|ops --check``.
 
 The kernels are called through their modules (``triton_ops.silu_mul``, not an imported name),
@@ -10,10 +12,12 @@ so a test that swaps one for a wrong one sees this check fail.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.paged import triton_decode, triton_ops, triton_prefill
+from fovea.engine.paged import triton_decode, triton_ops, triton_prefill, triton_util
 from fovea.engine.paged.attention import paged_decode_torch
 from fovea.testing.kernel_cases import (
     prefill_torch_reference,
@@ -79,3 +83,34 @@ def triton_self_check(device: torch.device, dtype: torch.dtype) -> str | None:
         if not err <= tol:  # NaN fails too
             return f"{name}: max error {err:.2e} > {tol:.0e}"
     return fused_problem
+
+
+_EARLY: dict[tuple[str, str], Future] = {}  # (device, dtype) -> the self-check started before the load
+
+
+def start_early(device: torch.device, dtype: torch.dtype) -> None:
+    """Start ``triton_self_check`` for ``device`` and ``dtype`` in a thread of its own (CUDA with
+    triton only): ``self_check`` then takes its answer instead of running it again."""
+    key = (str(device), str(dtype))
+    if device.type != "cuda" or not triton_util.available() or key in _EARLY:
+        return
+
+    def run() -> str | None:
+        with torch.cuda.device(device):  # Triton launches on the current device
+            return triton_self_check(device, dtype)
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="fovea-kernel-check")
+    _EARLY[key] = pool.submit(run)
+    pool.shutdown(wait=False)
+
+
+def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """``triton_self_check``'s answer: the early thread's where one was started for this device and
+    dtype (waiting for it), else checked now."""
+    early = _EARLY.pop((str(device), str(dtype)), None)
+    if early is not None:
+        try:
+            return early.result()
+        except Exception as exc:  # noqa: BLE001 - as triton_self_check: any failure means the torch path
+            return f"{type(exc).__name__}: {exc}"
+    return triton_self_check(device, dtype)

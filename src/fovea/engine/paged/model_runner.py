@@ -23,7 +23,7 @@ from fovea.engine.paged.attention import (
 from fovea.engine.paged.config import PagedEngineConfig
 from fovea.engine.paged.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
 from fovea.engine.paged.embeddings import PromptEmbedder
-from fovea.engine.paged.kernel_selfcheck import triton_self_check
+from fovea.engine.paged.kernel_selfcheck import self_check
 from fovea.engine.paged.kv_cache import KVCache, KVPlan
 from fovea.engine.paged.llama import PagedLlama
 from fovea.engine.paged.memory_planner import Planner
@@ -71,7 +71,7 @@ class ModelRunner:
         use_triton = bool(config.triton_decode) and triton_util.available()
         if use_triton:
             with STARTUP.phase("kernel self-check"):
-                problem = triton_self_check(self.device, loaded.dtype)
+                problem = self_check(self.device, loaded.dtype)
             if problem:
                 log.warning("Triton kernels disabled, using the torch path: %s", problem)
                 use_triton = False
