@@ -70,7 +70,8 @@ def _kernels():
         ok = offs < n
         x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
         inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # saturates to +-1 (exp overflows to inf or 0)
+        inner = tl.minimum(tl.maximum(inner, -15.0), 15.0)  # tanh(15) is 1 in float32; exp stays finite
+        tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
         tl.store(Y + offs, (0.5 * x * (1.0 + tanh)).to(Y.dtype.element_ty), mask=ok)
 
     @triton.jit
