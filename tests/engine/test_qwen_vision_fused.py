@@ -281,3 +281,15 @@ def test_supports_names_what_it_cannot_run(models, monkeypatch):
     assert "vision block 1" in supports(visual, QWEN2_5) and "not SiLU" in supports(visual, QWEN2_5)
     with pytest.raises(ValueError, match="cannot run"):
         QwenFusedVision(models(QWEN2_5, "float32"))
+
+
+def test_the_grid_layouts_are_kept_within_their_byte_budget(models, monkeypatch):
+    loaded = models(QWEN2_5, "float32")
+    fused = QwenFusedVision(loaded)
+    one = fused.layouts.get((1, 8, 8)).nbytes
+    monkeypatch.setattr(qwen_vision_layout, "MAX_LAYOUT_BYTES", 2 * one)
+    for grid in [(1, 8, 8), (1, 4, 16), (1, 16, 4), (1, 8, 8)]:
+        fused.layouts.get(grid)
+    assert fused.layouts._bytes <= 2 * one and len(fused.layouts._cache) == 2
+    assert list(fused.layouts._cache) == [(1, 16, 4), (1, 8, 8)]  # the least recently used went first
+    check_stage(loaded, fused, GRIDS)  # recomputed layouts are the same

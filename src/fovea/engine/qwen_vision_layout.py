@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-MAX_GRIDS = 256  # grids remembered per tower (small host/device index tensors each)
+# Device bytes of the grids remembered per tower (index tensors: ~40 bytes a patch, so a 1280 x 720
+# image's layout is ~0.2 MiB and the largest Qwen image's ~3 MiB); least recently used dropped past it.
+MAX_LAYOUT_BYTES = 32 * 1024**2
 
 
 def _vision_utils():
@@ -86,6 +88,11 @@ class GridLayout:
     taps: torch.Tensor | None = None  # Qwen3-VL: [patches, k] long, into the learned grid
     weights: torch.Tensor | None = None  # Qwen3-VL: [patches, k] float32
 
+    @property
+    def nbytes(self) -> int:
+        held = (self.patch_order, self.merged_order, self.positions, self.taps, self.weights)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
 
 def grid_layout(visual: nn.Module, grid: tuple[int, int, int], windows: bool, learned_positions: bool,
                 device: torch.device) -> GridLayout:
@@ -146,12 +153,13 @@ class BatchLayout:
 
 
 class GridLayouts:
-    """Each grid's layout, computed once (least recently used dropped past ``MAX_GRIDS``)."""
+    """Each grid's layout, computed once (least recently used dropped past ``MAX_LAYOUT_BYTES``)."""
 
     def __init__(self, visual: nn.Module, windows: bool, learned_positions: bool, device: torch.device) -> None:
         self.visual, self.windows, self.learned, self.device = visual, windows, learned_positions, device
         self.unit = int(visual.spatial_merge_size) ** 2
         self._cache: OrderedDict[tuple[int, int, int], GridLayout] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def get(self, grid: tuple[int, int, int]) -> GridLayout:
@@ -163,9 +171,11 @@ class GridLayouts:
                 return layout
         layout = grid_layout(self.visual, grid, self.windows, self.learned, self.device)
         with self._lock:
-            self._cache[grid] = layout
-            while len(self._cache) > MAX_GRIDS:
-                self._cache.popitem(last=False)
+            if grid not in self._cache:
+                self._cache[grid] = layout
+                self._bytes += layout.nbytes
+            while self._bytes > MAX_LAYOUT_BYTES and len(self._cache) > 1:
+                self._bytes -= self._cache.popitem(last=False)[1].nbytes
         return layout
 
     def batch(self, grids: list[tuple[int, int, int]]) -> BatchLayout:
