@@ -16,7 +16,7 @@ import pytest
 import torch
 
 KERNEL_TESTS = ["test_paged_triton.py", "test_triton_prefill.py", "test_triton_ops.py", "test_paged_fused.py",
-                "test_vision_fused.py", "test_checksum_kernel.py"]
+                "test_vision_fused.py", "test_checksum_kernel.py", "test_qwen_vision_fused.py"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -182,17 +182,15 @@ def error_frame(exc: BaseException, trace: str = "") -> bytes:
 
 
 def vision_stage(part, fused: bool) -> tuple:
-    """(the vision forward, which one): the fused stage where it runs and agrees with
-    transformers' modules on this tower (CLIP-style, on a GPU), else the adapter's own.
-    The fused one keeps only the feature layer's hidden states: at LLaVA's batch of 32 the
-    modules' forward keeps all 25 (0.9 GiB)."""
-    if fused and part.adapter.family.name == "llava":
-        from fovea.engine.vision_fused import choose_vision_encoder
-        from fovea.models.llava import stacked
+    """(the vision forward, which one): the fused stage the adapter declares where it runs and
+    agrees with transformers' modules on this tower (on a GPU), else the adapter's own
+    (``engine.vision_stage``, as the engine's model runner chooses). The fused CLIP stage keeps
+    only the feature layer's hidden states: at LLaVA's batch of 32 the modules' forward keeps
+    all 25 (0.9 GiB)."""
+    from fovea.engine.vision_stage import choose_vision_stage
 
-        forward, label = choose_vision_encoder(part, enabled=True)
-        return stacked(forward), label
-    return part.adapter.vision_forward(part), "the adapter's modules"
+    stage = choose_vision_stage(part, enabled=fused)
+    return stage.forward, stage.label
 
 
 def worker_main(conn: Connection, model_dir: str, device: str, dtype: str, batch_images: int = 8,

@@ -95,6 +95,7 @@ class LlavaAdapter(ModelAdapter):
     family = Family("llava", ("llava",), ["LLaVA-1.5: CLIP-style tower at a fixed resolution, MLP projector, Llama"])
     recipe_fields = RECIPE_FIELDS
     normalisation_fields = NORMALISATION_FIELDS
+    fused_vision = "clip"
 
     def model_class(self) -> type:
         return LlavaForConditionalGeneration

@@ -135,6 +135,7 @@ class LlavaNextAdapter(LlavaAdapter):
                       "a Llama/Mistral language model")])
     recipe_fields = RECIPE_FIELDS
     normalisation_fields = NORMALISATION_FIELDS
+    fused_vision = None  # anyres tiles and newline rows: the eager forward only
 
     def model_class(self) -> type:
         return LlavaNextForConditionalGeneration

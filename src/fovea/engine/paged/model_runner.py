@@ -31,10 +31,9 @@ from fovea.engine.paged.prompt_scores import PromptScores, score_step
 from fovea.engine.paged.scheduler import Chunk, StepPlan
 from fovea.engine.paged.sequence import Sequence
 from fovea.engine.paged.staging import resolve_pending, to_device
-from fovea.engine.vision_fused import choose_vision_encoder
 from fovea.engine.vision_graphs import try_graphed_vision
+from fovea.engine.vision_stage import choose_vision_stage
 from fovea.model.loader import LoadedModel
-from fovea.models.llava import stacked
 from fovea.startup_clock import STARTUP
 
 log = logging.getLogger("fovea.engine.paged")
@@ -99,12 +98,10 @@ class ModelRunner:
         self.vision_batched: Callable[[torch.Tensor], torch.Tensor] | None = None  # fixed-size towers: [n, C, H, W]
         if remote_encoder is not None:
             vision_label = "remote (encode workers; this process runs no vision forward)"
-        elif loaded.adapter.family.name == "llava":
-            self.vision_batched, vision_label = choose_vision_encoder(
-                loaded, enabled=fused and bool(config.fused_vision))
-            self.embedder.images.encode = stacked(self.vision_batched)
         else:
-            vision_label = "transformers' modules (the fused vision kernels run CLIP-style towers)"
+            with STARTUP.phase("vision stage check"):
+                stage = choose_vision_stage(loaded, enabled=fused and bool(config.fused_vision))
+            self.embedder.images.encode, vision_label, self.vision_batched = stage
         log.info("vision stage: %s", vision_label)
         shape = self.llama.kv_shape(self.block_size)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
