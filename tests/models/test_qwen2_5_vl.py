@@ -255,3 +255,16 @@ def test_the_canary_runs_on_this_family(qwen):
 
     result = asyncio.run(main())
     assert not result.ok and result.reasons
+
+
+def test_the_profile_images_fit_a_prompt_of_max_tokens(qwen):
+    """The memory profile encodes only images a prompt can hold: at most max_tokens image tokens."""
+    codec, adapter = qwen.codec, qwen.adapter
+    largest = adapter.dummy_images(None, codec, 1)[0]
+    capped = adapter.dummy_images(None, codec, 2, max_tokens=largest.num_tokens // 4)
+    assert len(capped) == 2
+    for image in capped:
+        t, h, w = image.grid
+        assert image.num_tokens <= largest.num_tokens // 4 < largest.num_tokens
+        assert image.num_tokens == h * w // 4 and image.pixels.shape[0] == h * w
+    assert adapter.dummy_images(None, codec, 1, max_tokens=10 ** 9)[0].grid == largest.grid

@@ -291,8 +291,11 @@ class ModelAdapter(ABC):
         """The one pixel shape every image has (towers of a fixed resolution), else None."""
         return None
 
-    def dummy_images(self, config: Any, codec: PromptCodec | None, count: int) -> list[ImageInput]:
-        """``count`` random images of the largest size the processor produces (memory profiles).
+    def dummy_images(self, config: Any, codec: PromptCodec | None, count: int,
+                     max_tokens: int | None = None) -> list[ImageInput]:
+        """``count`` random images of the largest size the processor produces (memory profiles),
+        and for dynamic-resolution families of at most ``max_tokens`` image tokens each (a prompt
+        cannot hold a larger one: the profile runs only what the scheduler can form).
         Fixed-resolution towers: their one shape; dynamic-resolution families override this."""
         shape = self.fixed_image_shape(config)
         if shape is None:

@@ -200,14 +200,17 @@ class LlavaNextAdapter(LlavaAdapter):
     def fixed_image_shape(self, config: Any) -> tuple[int, ...] | None:
         return None  # each image has its own number of tiles
 
-    def dummy_images(self, config: Any, codec: Any, count: int) -> list[ImageInput]:
-        """Images the size of the pinpoint with the most tiles and tokens (the memory plan's largest)."""
+    def dummy_images(self, config: Any, codec: Any, count: int, max_tokens: int | None = None) -> list[ImageInput]:
+        """Images the size of the pinpoint with the most tiles and tokens (the memory plan's largest)
+        among those of at most ``max_tokens`` tokens (the smallest one if none is)."""
         assert codec is not None, "the largest image comes from the processor's image_grid_pinpoints"
         ip = codec.image_processor
         side = tile_side(ip)
         sizes = [(int(h), int(w)) for h, w in ip.image_grid_pinpoints]
         counts = codec.token_counts(sizes)
-        (tiles, tokens), size = max(((codec.tiles(s), n), s) for s, n in zip(sizes, counts))
+        options = [((codec.tiles(s), n), s) for s, n in zip(sizes, counts)]
+        fitting = [o for o in options if max_tokens is None or o[0][1] <= max_tokens]
+        (tiles, tokens), size = max(fitting) if fitting else min(options, key=lambda o: o[0][1])
         channels = int(getattr(config.vision_config, "num_channels", 3))
         return [ImageInput(torch.randn((tiles, channels, side, side), dtype=codec.dtype), tokens, f"profile-{i}",
                            (tiles, *size)) for i in range(count)]

@@ -474,11 +474,14 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         """The tower's output as one row per image token (transformers 5.x returns an object)."""
         return out if isinstance(out, torch.Tensor) else out.pooler_output
 
-    def dummy_images(self, config: Any, codec: PromptCodec | None, count: int) -> list[ImageInput]:
+    def dummy_images(self, config: Any, codec: PromptCodec | None, count: int,
+                     max_tokens: int | None = None) -> list[ImageInput]:
         assert codec is not None, "the largest image comes from the processor's max_pixels"
         ip = codec.image_processor
         patch, merge, temporal = int(ip.patch_size), int(ip.merge_size), int(ip.temporal_patch_size)
         side = int((pixel_bounds(ip)[1] ** 0.5) // (patch * merge)) * merge  # patches per side of the largest square
+        if max_tokens is not None:  # (side / merge)^2 image tokens must fit a prompt
+            side = max(merge, min(side, math.isqrt(max(1, max_tokens)) * merge))
         width = 3 * temporal * patch * patch
         out = []
         for index in range(count):

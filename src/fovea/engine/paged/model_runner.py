@@ -179,9 +179,11 @@ class ModelRunner:
         if images.remote:
             return None  # the encode workers hold the vision activations, not this process
         if self.fixed_image_shape is None:
-            # The largest images the processor produces, as many as one vision call takes.
+            # The largest images the processor produces that a prompt can hold, as many as one
+            # vision call takes.
             largest = self.loaded.adapter.dummy_images(self.loaded.model.config, self.loaded.codec,
-                                                       self.config.vision_batch_size)
+                                                       self.config.vision_batch_size,
+                                                       max_tokens=self.config.max_model_len - 1)
             batch = images.batches(largest)[0]
             return torch.cat(images.run(images.to_device(batch)))
         pixels = torch.randn((self.config.vision_batch_size, *self.fixed_image_shape),
