@@ -2,21 +2,13 @@
 Runs where triton imports and either CUDA is present or TRITON_INTERPRET=1 (triton's CPU
 interpreter, through test_kernels_interpreted.py); skipped otherwise."""
 
-import importlib.util
-import os
 
 import pytest
 import torch
+from kernel_helpers import DEVICE, needs_triton
 
 from fovea.disagg import handoff
 from fovea.disagg.checksum_kernel import checksum_many
-
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def flats(*sizes: int, seed: int = 0) -> list[torch.Tensor]:

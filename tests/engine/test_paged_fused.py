@@ -3,22 +3,16 @@ kernels) against the torch-op forward on the demo model. The kernels run where t
 imports and either CUDA is present or TRITON_INTERPRET=1 (triton's CPU interpreter)."""
 
 import copy
-import importlib.util
-import os
 
 import pytest
 import torch
+from kernel_helpers import needs_triton
 
 from fovea.engine.paged.attention import AttnMeta, PrefillBatch, PrefillSpan, attention_backend
 from fovea.engine.paged.kv_cache import KVCache
 from fovea.engine.paged.llama import PagedLlama, fuse_rows
 from fovea.models.llava import LlavaAdapter
 from fovea.testing.tolerance import assert_close_for, path_len_of
-
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
 
 
 def lm_spec_of(model):

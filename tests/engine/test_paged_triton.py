@@ -1,20 +1,14 @@
 """The Triton paged-decode kernel against the torch reference. Runs where triton imports and
 either CUDA is present or TRITON_INTERPRET=1 (triton's CPU interpreter); skipped otherwise."""
 
-import importlib.util
-import os
 
 import pytest
 import torch
+from kernel_helpers import needs_triton
 
 from fovea.engine.paged.attention import paged_decode_torch
 from fovea.testing.kernel_cases import poison_past_context, random_decode_case
 from fovea.testing.tolerance import assert_close_for, attention_path_len
-
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
 
 
 @needs_triton

@@ -8,13 +8,12 @@ Kernel tests run where triton imports and either CUDA is present or TRITON_INTER
 the torch twins off CUDA. FOVEA_TEST_DEVICE=cuda loads the models on the GPU (Triton kernels,
 flash variable-length attention in half precision)."""
 
-import importlib.util
 import itertools
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import DEVICE, needs_triton
 from scene_helpers import TEST_DEVICE
 
 from fovea.engine import qwen_vision_layout
@@ -34,12 +33,6 @@ from fovea.models.base import ImageInput
 from fovea.testing import random_qwen2_5_vl, random_qwen3_vl
 from fovea.testing.tolerance import K, assert_close_for, eps, reduction_atol, tower_path_len
 
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # float16, not bfloat16, for the kernels: triton's CPU interpreter truncates float32 -> bfloat16
 # where the GPU (and torch) round to nearest, but rounds float16 to nearest.
 DTYPES = [torch.float32, torch.float16]

@@ -2,22 +2,14 @@
 against the torch ops they replace. Runs where triton imports and either CUDA is present
 or TRITON_INTERPRET=1 (triton's CPU interpreter); skipped otherwise."""
 
-import importlib.util
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import DEVICE, needs_triton
 
 from fovea.testing.kernel_cases import rms_norm_reference, rope_reference
 from fovea.testing.tolerance import assert_close_for
-
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def rand(*shape, seed=0, scale=1.0):

@@ -2,22 +2,15 @@
 imports and either CUDA is present or TRITON_INTERPRET=1 (triton's CPU interpreter); the
 reference's own test always runs."""
 
-import importlib.util
-import os
 
 import pytest
 import torch
+from kernel_helpers import DEVICE, needs_triton
 
 from fovea.engine.paged import triton_prefill as tp
 from fovea.testing.kernel_cases import prefill_torch_reference, random_prefill_case
 from fovea.testing.tolerance import assert_close_for, attention_path_len
 
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL_TILES = tp.PrefillConfig(16, 16, 4, 2)  # many query and key tiles even for short chunks
 
 

@@ -6,13 +6,12 @@ that way on CPU); the rest run everywhere."""
 
 import contextlib
 import functools
-import importlib.util
 import logging
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_helpers import DEVICE, needs_triton
 
 from fovea.engine import vision_fused
 from fovea.engine.vision_fused import (
@@ -31,12 +30,6 @@ from fovea.model.vision import encode_images
 from fovea.testing.kernel_cases import random_llava, tiny_vision
 from fovea.testing.tolerance import K, assert_close_for, eps, reduction_atol, vision_path_len
 
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # float16, not bfloat16, as the half dtype: triton's CPU interpreter truncates float32 ->
 # bfloat16 where the GPU (and torch) round to nearest, but rounds float16 to nearest.
 DTYPES = [torch.float32, torch.float16]
