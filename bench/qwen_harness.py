@@ -132,8 +132,8 @@ def serve_section(model_dir: Path, args, out: Path, topology: str, words: Callab
         runs = []
         for run in range(args.runs):
             first = 100_000 * (run + 1)
-            bodies = [load.chat_body(name, first + i, words(first + i), MAX_TOKENS, images=args.images,
-                                     size=args.burst_size) for i in range(args.burst)]
+            bodies = load_procs.chat_bodies([(name, first + i, words(first + i), MAX_TOKENS, args.images,
+                                              args.burst_size) for i in range(args.burst)])
             results, wall = load_procs.burst(server.url, bodies, processes=args.client_processes)
             summary = load.summarize(results, wall)
             runs.append(summary)

@@ -28,13 +28,17 @@ class StartupRefused(FoveaError):
 
 
 def check_before_load(settings: ServerSettings, *, front: bool = False) -> None:
+    from fovea.startup_clock import STARTUP
+
     check_port(settings.host, settings.port)
-    check_gpu_share(settings, front)
+    with STARTUP.phase("GPU share"):
+        check_gpu_share(settings, front)
     if settings.canary and (settings.max_model_len is not None or media_refusal(PROBE_SIZE, settings.media)):
         from fovea.model.loader import load_codec
 
         try:
-            fit_canary(load_codec(settings.model), settings.media, settings.max_model_len)
+            with STARTUP.phase("canary against the limits"):
+                fit_canary(load_codec(settings.model), settings.media, settings.max_model_len)
         except CanaryTooLong as exc:
             raise StartupRefused(too_short(f"--max-model-len {exc.limit}", exc,
                                            f"use --max-model-len {exc.need} or more")) from None

@@ -233,11 +233,16 @@ class Planner:
     @torch.inference_mode()
     def _worst_steps(self, scratch: KVCache) -> tuple:
         r = self.runner
-        vision = r.dummy_vision_batch()
-        first = r.dummy_step(scratch)
-        first_out = self._sample(first)
-        second = r.dummy_step(scratch)  # while the first step's outputs are held (step overlap)
-        return vision, first, first_out, second, self._sample(second)
+        with STARTUP.phase("vision batch"):
+            vision = r.dummy_vision_batch()
+            torch.cuda.synchronize(self.device)  # (the profile runs on CUDA only) its time, not the next phase's
+        with STARTUP.phase("two steps"):
+            first = r.dummy_step(scratch)
+            first_out = self._sample(first)
+            second = r.dummy_step(scratch)  # while the first step's outputs are held (step overlap)
+            out = vision, first, first_out, second, self._sample(second)
+            torch.cuda.synchronize(self.device)
+        return out
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """What sampling a step holds: every row penalised, greedy rows, a few drawn with
