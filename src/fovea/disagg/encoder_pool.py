@@ -75,6 +75,7 @@ class WorkerHandle:
     peak_reserved_bytes: int | None = None  # torch's peak reserved bytes there, after its last batch (CUDA)
     lock: threading.Lock = field(default_factory=threading.Lock)
     restarting: bool = False
+    restart_thread: threading.Thread | None = None
     failed_at: float = 0.0
 
     def status(self) -> dict:
@@ -124,6 +125,7 @@ class EncoderPool:
         self.workers = [WorkerHandle(i) for i in range(workers)]
         self.vision_fingerprint = ""
         self._pick = threading.Lock()
+        self._channels = threading.Lock()  # a worker's channel is taken (to close it) by one thread
         self.device = torch.device(pd_device)
         self.on_handoff = on_handoff
         self.handoff_totals: dict[str, float] = {"batches": 0, "images": 0, "seconds": 0.0}
@@ -161,8 +163,16 @@ class EncoderPool:
                 future.cancel()
             self._pending.clear()
             self._pending_ready.notify_all()
+        with self._pick:  # a restart begun before this saw _stopping has its thread recorded by now
+            pass
         for worker in self.workers:
             self._end(worker, "stopped")
+        # A restart under way ends what it started once it sees the pool stopping (``_restart``):
+        # wait for it, so that no process or shared memory outlives the pool.
+        for worker in self.workers:
+            thread = worker.restart_thread
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=30)
 
     def _spawn(self, worker: WorkerHandle) -> None:
         worker.channel = self.open_channel(worker.index)
@@ -185,9 +195,12 @@ class EncoderPool:
                  meta["plan_text"])
 
     def _end(self, worker: WorkerHandle, state: str) -> None:
-        if worker.channel is not None:
-            worker.channel.close()
-        worker.channel, worker.state = None, state
+        # Taken under the lock: stop() and a restart thread may end the same worker at once, and
+        # a pipe closed twice raises (EBADF) in whichever comes second.
+        with self._channels:
+            channel, worker.channel, worker.state = worker.channel, None, state
+        if channel is not None:
+            channel.close()
 
     def _begin_restart(self, worker: WorkerHandle, why: str) -> None:
         """Restart ``worker`` in the background, once however many notice it is gone."""
@@ -195,15 +208,21 @@ class EncoderPool:
             if worker.restarting or self._stopping:
                 return
             worker.restarting, worker.state = True, "dead"
-        threading.Thread(target=self._restart, args=(worker, why), name=f"fovea-encode-restart-{worker.index}",
-                         daemon=True).start()
+            thread = worker.restart_thread = threading.Thread(
+                target=self._restart, args=(worker, why), name=f"fovea-encode-restart-{worker.index}", daemon=True)
+        thread.start()
 
     def _restart(self, worker: WorkerHandle, why: str) -> None:
         log.warning("encode worker %d (pid %s) %s: restarting it", worker.index, worker.pid, why)
         try:
             self._end(worker, "dead")
+            if self._stopping:  # stopped meanwhile: no new process to leave behind
+                return
             worker.restarts += 1
             self._spawn(worker)
+            if self._stopping:
+                self._end(worker, "stopped")
+                return
             self._await_ready(worker)
         except FoveaError as exc:
             if not self._stopping:  # the pool stopping under a restart ends it; that is no failure
