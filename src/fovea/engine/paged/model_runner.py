@@ -181,10 +181,13 @@ class ModelRunner:
         if self.fixed_image_shape is None:
             # The largest images the processor produces that a prompt can hold, as many as one
             # vision call takes.
-            largest = self.loaded.adapter.dummy_images(self.loaded.model.config, self.loaded.codec,
-                                                       self.config.vision_batch_size,
-                                                       max_tokens=self.config.max_model_len - 1)
-            batch = images.batches(largest)[0]
+            adapter, model_config, codec = self.loaded.adapter, self.loaded.model.config, self.loaded.codec
+            limit = self.config.max_model_len - 1
+            one = adapter.dummy_images(model_config, codec, 1, max_tokens=limit)[0]
+            # Only the images of the first vision call (one image of this size may fill it): at
+            # the largest size each is ~75 M random values made on the host.
+            count = min(self.config.vision_batch_size, len(images.batches([one] * self.config.vision_batch_size)[0]))
+            batch = [one] if count == 1 else adapter.dummy_images(model_config, codec, count, max_tokens=limit)
             return torch.cat(images.run(images.to_device(batch)))
         pixels = torch.randn((self.config.vision_batch_size, *self.fixed_image_shape),
                              dtype=self.loaded.dtype, device=self.device)
