@@ -356,11 +356,14 @@ def main(family: FamilyBench, doc: str) -> int:
             torch.cuda.empty_cache()
     words = lambda seed: family.random_dir.prompt_words(args.arch, 64, seed=seed)
     table: list[tuple] = []
+    # Written after every section too: a run that meets its time limit keeps what it measured.
+    save = lambda: (args.out / f"{family.name}.json").write_text(json.dumps(results, indent=2, default=str))
     if "serve" in sections:
         results["serve"] = []
         for topology in args.topologies.split(","):
             r = serve_section(model_dir, args, args.out, topology, words)
             results["serve"].append(r)
+            save()
             if "error" in r:
                 problems.append(f"{topology}: {r['error'][:300]}")
                 continue
@@ -386,6 +389,7 @@ def main(family: FamilyBench, doc: str) -> int:
         if "vision" in sections:
             results["vision"], rows = vision_section(loaded, args, c)
             table += rows
+            save()
         if "check" in sections:
             check = results["check"] = check_section(loaded, words)
             log(f"check: {check}")
@@ -394,7 +398,7 @@ def main(family: FamilyBench, doc: str) -> int:
             table.append(("check", "logprob rel err / greedy equal", f"{check['first_logprobs_rel_err']:.1e}",
                           f"{check['greedy_prefix_equal']}/{check['of']}", "< 1e-2"))
     results["problems"] = problems
-    (args.out / f"{family.name}.json").write_text(json.dumps(results, indent=2, default=str))
+    save()
     print(f"\n{family.name} ({args.arch}) on {results['gpu']}")
     print(f"{'section':<22}{'metric':<34}{'fovea':>22}{'transformers':>14}{'floor/goal':>16}")
     for r in table:
