@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -290,3 +291,21 @@ def test_every_numeric_flag_of_serve_has_cases_at_and_past_its_boundary():
     # On a host without a GPU, --gpu-memory-utilization can only be refused (it is a GPU's share).
     assert numeric - served == {"--gpu-memory-utilization", "--port"}  # --port: every served case has a free one
     assert numeric - refused == set()
+
+
+@pytest.mark.parametrize("case_id", ["smallest-kv-cache", "no-canary-extremes"])
+def test_a_served_start_says_where_its_seconds_went(case_id, outcomes):
+    """The one `start-up:` line, logged when /health first answers ready: the seconds since the
+    process started and its phases, the canary's among them when it ran."""
+    outcome = outcomes[case_id].result()
+    assert outcome.ready, outcome.stderr[-2000:]
+    lines = [json.loads(line)["message"] for line in outcome.stderr.splitlines()
+             if is_log_record(line) and json.loads(line)["message"].startswith("start-up: ready after ")]
+    assert len(lines) == 1, outcome.stderr[-2000:]
+    line = lines[0]
+    total = float(line.removeprefix("start-up: ready after ").split(" s", 1)[0])
+    assert 0 < total <= outcome.seconds  # counted from the process's start, before the test saw it ready
+    for phase in ("checks before load", "imports", "load weights", "contract", "engine", ">memory profile"):
+        assert f"{phase} " in line, line
+    canary = case_id != "no-canary-extremes"
+    assert (", canary fit " in line) == canary and bool(re.search(r", canary \d", line)) == canary, line

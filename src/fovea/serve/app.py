@@ -114,8 +114,10 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     try:
         with STARTUP.phase("engine"):
             engine = PagedEngine(loaded, engine_config, on_vision_seconds=on_vision, remote_encoder=pool)
-        with STARTUP.phase("canary fit"):
-            fit = fit_canary_to_engine(settings, loaded, engine) if settings.canary else None
+        fit = None
+        if settings.canary:
+            with STARTUP.phase("canary fit"):
+                fit = fit_canary_to_engine(settings, loaded, engine)
     except BaseException:
         if pool is not None:  # refused at start-up: its worker processes go with it
             pool.stop()
