@@ -11,7 +11,9 @@ CLIP processor, a 32,064-token tokenizer, safetensors shards) and, in one run:
   photo-like 336 px JPEG and 64 text tokens, 128 output tokens with ignore_eos), and Poisson
   arrivals at 50%, 80% and 100% of the burst's measured request rate for --sustain-seconds
   each (TTFT and TPOT p50/p99); then the server's memory: its plan, torch's peak reserved
-  bytes against the plan's cap, and the device memory of the process;
+  bytes against the plan's cap, and the device memory of the process. The bursts and the
+  Poisson loads are sent by --client-processes processes of their own (bench/load_procs.py),
+  and the table says how busy they were, so that the client is seen not to set the pace;
 - neighbour: while that server runs, a second `fovea serve` (the demo model) starts on the
   same GPU and answers;
 - hog: another process holds most of the GPU; `fovea serve` on the 7B directory must refuse
@@ -38,6 +40,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -47,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import load_procs  # noqa: E402
 import serve_load as load  # noqa: E402
 
 from fovea.testing.random_llava import prompt_words, write_model_dir  # noqa: E402
@@ -241,18 +245,20 @@ def serve(model_dir: Path, args, results: dict, out: Path) -> Server:
     single = load.summarize(singles, 1.0)
     r["single"] = vars(single)
     log(f"HTTP single: TTFT {single.ttft_p50_ms:.1f} ms, TPOT {single.tpot_p50_ms:.2f} ms, failed {single.failed}")
-    runs = []
+    runs, clients = [], []
     for run in range(args.runs):
         batch = bodies(name, 40_000 + 1000 * run, args.burst)
         before = server.engine_ttft()
-        res, wall = asyncio.run(load.burst(server.url, batch))
+        sent = load_procs.burst(server.url, batch, processes=args.client_processes)
         after = server.engine_ttft()
-        runs.append(load.summarize(res, wall))
+        runs.append(load.summarize(sent.results, sent.wall_s))
+        clients.append(sent.client)
         engine_ttft = 1e3 * (after[0] - before[0]) / max(1.0, after[1] - before[1])
-        log(f"HTTP burst {run + 1}: {runs[-1].tok_s:.0f} tok/s in {wall:.1f} s, TTFT p50 {runs[-1].ttft_p50_ms:.0f} ms "
-            f"(engine's own mean {engine_ttft:.0f} ms), TPOT p50 {runs[-1].tpot_p50_ms:.1f} ms, failed "
-            f"{runs[-1].failed} {runs[-1].errors}")
-    r["burst"] = [vars(b) for b in runs]
+        log(f"HTTP burst {run + 1}: {runs[-1].tok_s:.0f} tok/s in {sent.wall_s:.1f} s, TTFT p50 "
+            f"{runs[-1].ttft_p50_ms:.0f} ms (engine's own mean {engine_ttft:.0f} ms), TPOT p50 "
+            f"{runs[-1].tpot_p50_ms:.1f} ms, failed {runs[-1].failed} {runs[-1].errors}; "
+            f"{load_procs.describe(sent.client)}")
+    r["burst"] = [{**vars(b), "client": c} for b, c in zip(runs, clients, strict=True)]
     best = sorted(runs, key=lambda b: b.tok_s)[len(runs) // 2]
     capacity = best.requests / best.wall_s  # requests/s the burst sustained
     r["capacity_req_s"] = capacity
@@ -260,13 +266,13 @@ def serve(model_dir: Path, args, results: dict, out: Path) -> Server:
     for share in args.loads:
         rate = share * capacity
         n = int(rate * args.sustain_seconds * 1.5) + 16
-        res, wall = asyncio.run(load.poisson(server.url, bodies(name, 100_000 + int(share * 1e4) * 10, n), rate,
-                                             args.sustain_seconds, seed=int(share * 100)))
-        s = load.summarize(res, wall)
-        r["sustained"][f"{share:.0%}"] = {**vars(s), "rate_req_s": rate}
+        sent = load_procs.poisson(server.url, bodies(name, 100_000 + int(share * 1e4) * 10, n), rate,
+                                  args.sustain_seconds, processes=args.client_processes, seed=int(share * 100))
+        s = load.summarize(sent.results, sent.wall_s)
+        r["sustained"][f"{share:.0%}"] = {**vars(s), "rate_req_s": rate, "client": sent.client}
         log(f"Poisson {share:.0%} ({rate:.1f} req/s, {s.requests} requests): TTFT p50 {s.ttft_p50_ms:.0f} p99 "
             f"{s.ttft_p99_ms:.0f} ms, TPOT p50 {s.tpot_p50_ms:.1f} p99 {s.tpot_p99_ms:.1f} ms, failed {s.failed} "
-            f"{s.errors}")
+            f"{s.errors}; {load_procs.describe(sent.client)}")
     health = httpx.get(server.url + "/health").json()
     memory = health.get("memory") or {}
     now = memory.get("now") or {}
@@ -339,12 +345,11 @@ def pair(model_dir: Path, args, results: dict, out: Path) -> None:
         name = httpx.get(servers[0].url + "/v1/models").json()["data"][0]["id"]
         n = args.pair_burst
 
-        async def both():
-            return await asyncio.gather(*(load.burst(s.url, bodies(name, 200_000 + 10_000 * i, n))
-                                          for i, s in enumerate(servers)))
-
-        outs = asyncio.run(both())
-        sums = [load.summarize(res, wall) for res, wall in outs]
+        with ThreadPoolExecutor(len(servers)) as pool:  # each burst from processes of its own, both at once
+            outs = list(pool.map(lambda i: load_procs.burst(servers[i].url, bodies(name, 200_000 + 10_000 * i, n),
+                                                            processes=args.client_processes),
+                                 range(len(servers))))
+        sums = [load.summarize(sent.results, sent.wall_s) for sent in outs]
         results["pair"] = {"ready_s": ready, "bursts": [vars(s) for s in sums],
                            "process_gpu_bytes": [process_gpu_bytes(s.proc.pid) for s in servers]}
         log(f"pair: ready {[round(x, 1) for x in ready]} s; bursts of {n}: "
@@ -379,6 +384,11 @@ def table(results: dict) -> str:
         rows.append((f"burst {bursts[0]['requests']}: output tok/s", f"{off_med:.0f} (failed {off.get('failed', 0)})",
                      f"{med:.0f} = {med / off_med:.0%} of offline, {med / roof:.0%} of roofline (failed {failed})",
                      f"roofline {roof:.0f}; goals 90% / 80%"))
+        busiest = max(b["client"]["busiest_worker_core_share"] for b in bursts)
+        rows.append(("burst: the load generator's CPU", "-",
+                     f"{bursts[0]['client']['processes']} processes, "
+                     f"{max(b['client']['cores_busy'] for b in bursts):.2f} cores busy, busiest worker "
+                     f"{busiest:.0%} of a core", "busiest well under 100%"))
         for share, s in srv["sustained"].items():
             rows.append((f"Poisson {share} ({s['rate_req_s']:.1f} req/s)", "-",
                          f"TTFT {s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms, TPOT {s['tpot_p50_ms']:.1f}/"
@@ -431,6 +441,8 @@ def main() -> int:
     parser.add_argument("--sustain-seconds", type=float, default=60.0)
     parser.add_argument("--loads", default="0.5,0.8,1.0", help="shares of the measured burst request rate")
     parser.add_argument("--pair-burst", type=int, default=64)
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="load-generator processes (bench/load_procs.py); their CPU use is reported")
     parser.add_argument("--server-args", default="", help="extra `fovea serve` flags for the serve phase")
     args = parser.parse_args()
     args.loads = [float(x) for x in args.loads.split(",") if x]

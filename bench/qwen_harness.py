@@ -129,20 +129,21 @@ def serve_section(model_dir: Path, args, out: Path, topology: str, words: Callab
         warm = [load.chat_body(name, 10_000 + i, words(i), 8, images=args.images, size=args.burst_size)
                 for i in range(4)]
         load_procs.burst(server.url, warm, processes=2)
-        runs = []
+        runs, clients = [], []
         for run in range(args.runs):
             first = 100_000 * (run + 1)
             bodies = load_procs.chat_bodies([(name, first + i, words(first + i), MAX_TOKENS, args.images,
                                               args.burst_size) for i in range(args.burst)])
-            results, wall = load_procs.burst(server.url, bodies, processes=args.client_processes)
-            summary = load.summarize(results, wall)
+            sent = load_procs.burst(server.url, bodies, processes=args.client_processes)
+            summary = load.summarize(sent.results, sent.wall_s)
             runs.append(summary)
+            clients.append(sent.client)
             log(f"{topology} burst {run + 1}: {summary.tok_s:.0f} tok/s, {summary.failed} failed, TTFT p50 "
                 f"{summary.ttft_p50_ms:.0f} p99 {summary.ttft_p99_ms:.0f} ms, TPOT p50 {summary.tpot_p50_ms:.1f} "
-                f"p99 {summary.tpot_p99_ms:.1f} ms {summary.errors}")
+                f"p99 {summary.tpot_p99_ms:.1f} ms {summary.errors}; {load_procs.describe(sent.client)}")
         median = sorted(runs, key=lambda s: s.tok_s)[len(runs) // 2]
         result["burst"] = {**median.__dict__, "tok_s": median.tok_s, "runs_tok_s": [s.tok_s for s in runs],
-                           "failed_total": sum(s.failed for s in runs)}
+                           "failed_total": sum(s.failed for s in runs), "clients": clients}
         result["memory"] = httpx.get(server.url + "/health", timeout=30).json().get("memory")
     except Exception as exc:  # noqa: BLE001 - reported as a problem, the other sections still run
         result["error"] = f"{type(exc).__name__}: {exc}; log tail: {server.tail()}"
