@@ -303,13 +303,15 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def doctor(args: argparse.Namespace) -> int:
-    from fovea.engine.paged import PagedEngineConfig
+    from fovea.config import ServerSettings, engine_config
     from fovea.guard.checks import exit_code, render_json, render_text
     from fovea.guard.doctor import doctor_checks
 
-    config = PagedEngineConfig(max_num_seqs=args.max_batch_size, max_num_batched_tokens=args.max_batched_tokens,
-                               gpu_memory_utilization=args.gpu_memory_utilization,
-                               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
+    # The engine `fovea serve` would build with these flags.
+    config = engine_config(ServerSettings(
+        model=args.model, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
+        max_batched_tokens=args.max_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len))
     report: dict = {}
     checks = doctor_checks(args.model, args.device, args.dtype, engine_config=config, report=report)
     print(render_json(checks, report) if args.json else render_text(checks))
@@ -317,7 +319,8 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def chat(args: argparse.Namespace) -> int:
-    from fovea.engine.paged import PagedEngine, PagedEngineConfig
+    from fovea.config import ServerSettings, engine_config
+    from fovea.engine.paged import PagedEngine
     from fovea.engine.request import ErrorEvent, FinishEvent, default_max_tokens
     from fovea.engine.sampling import SamplingParams
     from fovea.media import decode_image_bytes
@@ -338,9 +341,10 @@ def chat(args: argparse.Namespace) -> int:
     prompt = encode_prompt(loaded, render_chat(loaded, [{"role": "user", "content": content}]), images)
 
     async def run() -> str:
-        engine = PagedEngine(loaded, PagedEngineConfig(
-            max_num_seqs=1, gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len))
+        engine = PagedEngine(loaded, engine_config(ServerSettings(
+            model=args.model, device=args.device, dtype=args.dtype, max_batch_size=1,
+            gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
+            max_model_len=args.max_model_len)))
         # No --max-tokens: what the engine's per-sequence limit leaves after the prompt (as the server does).
         max_tokens = args.max_tokens or default_max_tokens(len(prompt.input_ids), engine.max_context)
         params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed)

@@ -149,6 +149,23 @@ class ServerSettings:
                                  f"other; use at most {cores}")
 
 
+def engine_config(settings: ServerSettings):
+    """The paged engine's settings (a ``PagedEngineConfig``) from the server's: the one place where
+    server flags become engine settings (``fovea serve``, the CLI's chat and doctor, the demo's
+    evaluation). Defaults left as None are resolved by the engine for its device."""
+    from fovea.engine.paged.config import VISION_BATCH, PagedEngineConfig
+
+    return PagedEngineConfig(max_num_seqs=settings.max_batch_size,
+                             max_queue=settings.max_queue,
+                             max_num_batched_tokens=settings.max_batched_tokens,
+                             overlap_steps=SWITCH[settings.step_overlap],
+                             fused_vision=SWITCH[settings.fused_vision],
+                             gpu_memory_utilization=settings.gpu_memory_utilization,
+                             kv_cache_memory=settings.kv_cache_memory,
+                             max_model_len=settings.max_model_len,
+                             vision_batch_size=settings.vision_batch_size or VISION_BATCH)
+
+
 def usable_cores() -> int:
     """The CPU cores this process may run on."""
     try:

@@ -115,7 +115,8 @@ def test_blind_model_degrades_health_and_strict_answers_503():
 # uvicorn's thread ends with SystemExit when the app's start-up fails: that is the refusal.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_strict_refuses_to_start_with_a_blind_model():
-    from fovea.serve.app import CanaryFailed, create_app
+    from fovea.serve.app import create_app
+    from fovea.serve.canary_lifecycle import CanaryFailed
 
     loaded = load_model(None, device="cpu", dtype="float32")
     with torch.no_grad():

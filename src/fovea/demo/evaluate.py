@@ -20,8 +20,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from fovea.config import ServerSettings, engine_config
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine.paged import PagedEngine
 from fovea.engine.request import FinishEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.model.loader import LoadedModel, load_model
@@ -54,7 +55,7 @@ def make_cases(n_scenes: int, seed: int = EVAL_SEED) -> list[tuple[scenes.Scene,
 
 async def answer_all(loaded: LoadedModel, cases: list[Case], batch_size: int = 64) -> None:
     # The server's default engine, so the accuracy is the served accuracy.
-    engine = PagedEngine(loaded, PagedEngineConfig(max_num_seqs=batch_size, max_queue=len(cases) + 1))
+    engine = PagedEngine(loaded, engine_config(ServerSettings(max_batch_size=batch_size, max_queue=len(cases) + 1)))
     engine.start()
     try:
         images: dict[int, object] = {}
