@@ -72,7 +72,6 @@ def main() -> int:
     parser.add_argument("--model", default=str(REPO / "models" / "fovea-shapes"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--engine", default="paged", choices=["paged"])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--mix", default="caption")
@@ -86,7 +85,7 @@ def main() -> int:
     from fovea.serve.app import create_app
 
     port = free_port()
-    settings = ServerSettings(model=Path(args.model), device=args.device, dtype=args.dtype, engine=args.engine,
+    settings = ServerSettings(model=Path(args.model), device=args.device, dtype=args.dtype,
                               port=port, canary=False)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name=EVENT_LOOP_THREAD, daemon=True)
@@ -115,7 +114,7 @@ def main() -> int:
         thread.join(timeout=30)
 
     names = sorted({name for run in per_run for name in run} - {"bench driver"})
-    print(f"{args.engine} engine, {settings.model} on {args.device}, {args.requests} requests x {args.runs} runs, "
+    print(f"{settings.model} on {args.device}, {args.requests} requests x {args.runs} runs, "
           f"{args.concurrency} clients, CPU ms per request (median of runs; each run's values)")
     for name in names:
         values = [run.get(name, 0.0) for run in per_run]

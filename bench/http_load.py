@@ -118,7 +118,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "fovea.cli", "--log-level", "warning", "serve", "--port", str(port),
-           "--device", args.device, "--dtype", args.dtype, "--max-batch-size", str(args.max_batch_size), "--engine", args.engine,
+           "--device", args.device, "--dtype", args.dtype, "--max-batch-size", str(args.max_batch_size),
            "--no-canary"]
     if args.model:
         cmd += ["--model", args.model]
@@ -145,7 +145,6 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="for the started server")
     parser.add_argument("--max-batch-size", type=int, default=16)
-    parser.add_argument("--engine", default="paged", choices=["paged"], help="for the started server")
     parser.add_argument("--single", type=int, default=30, help="sequential requests for latency")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--requests", type=int, default=64, help="requests in the concurrent phase")

@@ -92,7 +92,6 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-batch-size", type=int, default=16)
-    parser.add_argument("--engine", default="paged", choices=["paged"])
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--every", type=int, default=2, help="one request in this many is structured")

@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=port, default=8000)
     serve.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
-    serve.add_argument("--engine", default="paged",
-                       help="the one engine, paged (continuous batching over a paged KV cache); 'simple' was removed")
+    # Kept so that scripts passing `--engine paged` still start; there is one engine.
+    serve.add_argument("--engine", default="paged", help=argparse.SUPPRESS)
     serve.add_argument("--topology", choices=["agg", "e_pd"], default="agg",
                        help="agg: one process runs everything; e_pd: the vision stage in encode-worker processes "
                             "that load only the vision weights (docs/disaggregation.md)")
@@ -236,10 +236,13 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         from fovea.front.children import pd_worker_secrets
 
         api_key, encode_key = pd_worker_secrets()
+    if args.engine != "paged":
+        raise FoveaError(f"--engine {args.engine} was removed: fovea has one engine (paged), and transformers' own "
+                         "forward is kept only as the reference tests and `fovea doctor` compare against; drop --engine")
     try:
         settings = ServerSettings(
             model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-            served_model_name=args.served_model_name, engine=args.engine, topology=args.topology,
+            served_model_name=args.served_model_name, topology=args.topology,
             encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, ray_address=args.ray_address,
             encode_device=args.encode_device,
             pd_workers=None if pd_worker else args.pd_workers,

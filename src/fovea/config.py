@@ -22,7 +22,6 @@ class ServerSettings:
     device: str = "auto"
     dtype: str = "auto"
     served_model_name: str | None = None
-    engine: str = "paged"  # the one engine: continuous batching over a paged KV cache
     # "agg": the vision stage in this process; "e_pd": in encode_workers processes of their
     # own (fovea.disagg: vision weights only, verified hand-off), this one prefills and decodes.
     topology: str = "agg"
@@ -73,10 +72,6 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} is not between 1 and 65535")
-        if self.engine == "simple":
-            raise ValueError("--engine simple was removed: fovea has one engine (paged), and transformers' own "
-                             "forward is kept only as the reference tests and `fovea doctor` compare against; "
-                             "drop --engine")
         if self.topology not in ("agg", "e_pd"):
             raise ValueError(f"--topology must be agg or e_pd, not {self.topology!r}")
         if self.topology == "agg" and (self.encode_workers is not None or self.encode_timeout_s is not None):
@@ -109,8 +104,6 @@ class ServerSettings:
                              "--ray-address")
         if self.encode_timeout_s is not None and not 0 < self.encode_timeout_s < math.inf:
             raise ValueError("--encode-timeout must be a positive number of seconds")
-        if self.engine != "paged":
-            raise ValueError(f"--engine must be 'paged', not {self.engine!r}")
         if self.vision_batch_size is not None and self.vision_batch_size < 1:
             raise ValueError("--vision-batch-size must be at least 1")
         if self.max_batch_size is not None and self.max_batch_size < 1:

@@ -43,8 +43,6 @@ log = logging.getLogger("fovea.serve")
 def check_fits_before_load(settings: ServerSettings) -> None:
     """On a GPU, refuse a model whose weights cannot fit the memory this process may use,
     from the safetensors headers, before loading a byte of it."""
-    if settings.engine != "paged":
-        return
     device = resolve_device(settings.device)
     if device.type != "cuda":
         return
