@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from fovea.engine.paged import triton_util
+from fovea.engine.kernels import triton_util
 from fovea.engine.request import FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
 from fovea.model.loader import LoadedModel
@@ -385,7 +385,7 @@ def run_engine(kind, engine, loaded, device, reps, prompts, results, rows, hf, f
 def compiled_triton_kernels() -> int:
     """Variants of fovea's Triton kernels compiled so far in this process (a rise during a
     timed run means it paid for JIT compilation)."""
-    from fovea.engine.paged import triton_decode, triton_ops, triton_prefill
+    from fovea.engine.kernels import triton_decode, triton_ops, triton_prefill
 
     total = 0
     for module in (triton_decode, triton_prefill, triton_ops):

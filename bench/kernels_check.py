@@ -3,7 +3,7 @@
     python3 bench/kernels_check.py --kernel decode|prefill|ops|vision [--check] [--bench] [--sweep]
                                    [--device cuda]
 
-- ``decode``: paged decode attention (``fovea.engine.paged.triton_decode``); ``--bench`` times
+- ``decode``: paged decode attention (``fovea.engine.kernels.triton_decode``); ``--bench`` times
   LLaVA-7B-shaped decode attention, ``--sweep`` variations of its launch config (slow);
 - ``prefill``: paged prefill attention (``triton_prefill``); ``--bench`` against the per-chunk
   SDPA path, ``--sweep`` the same with alternative tile configs;
@@ -19,7 +19,8 @@ usage is printed and the exit status is 2. ``TRITON_INTERPRET=1 ... --device cpu
 kernels in triton's CPU interpreter (slow; float32 only, and float16 for prefill, whose CPU grid
 is a few small cases).
 
-The case builders and torch references live in ``fovea.testing.kernel_cases``; the engine's
+The case builders and torch references live in ``fovea.engine.kernels.cases`` (the fused vision
+stage's random-weight models in ``fovea.testing.kernel_cases``); the engine's
 start-up check (one small case per kernel) is ``fovea.engine.paged.kernel_selfcheck``.
 """
 
@@ -39,25 +40,23 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from fovea.engine.paged import triton_ops, triton_util
-from fovea.engine.paged.attention import paged_decode_torch
-from fovea.engine.paged.triton_decode import DecodeConfig, _device_sms, choose_config, paged_decode
-from fovea.engine.paged.triton_ops import add_rms_norm, gemv, rope_write_kv, silu_mul
-from fovea.engine.paged.triton_prefill import PrefillConfig, paged_prefill, tile_config
-from fovea.engine.paged.triton_util import time_cuda
-from fovea.testing.kernel_cases import (
+from fovea.engine.kernels import triton_ops, triton_util
+from fovea.engine.kernels.cases import (
     check_dtypes,
-    llava15_vision,
     poison_past_context,
     prefill_torch_reference,
     random_decode_case,
-    random_llava,
     random_prefill_case,
     random_spans,
     rms_norm_reference,
     rope_reference,
-    tiny_vision,
 )
+from fovea.engine.kernels.triton_decode import DecodeConfig, _device_sms, choose_config, paged_decode
+from fovea.engine.kernels.triton_ops import add_rms_norm, gemv, rope_write_kv, silu_mul
+from fovea.engine.kernels.triton_prefill import PrefillConfig, paged_prefill, tile_config
+from fovea.engine.kernels.triton_util import time_cuda
+from fovea.engine.paged.attention import paged_decode_torch
+from fovea.testing.kernel_cases import llava15_vision, random_llava, tiny_vision
 
 
 def run_check(device: torch.device, check: Callable[[torch.device], float]) -> int:

@@ -8,7 +8,7 @@ import torch
 from kernel_helpers import DEVICE, needs_triton
 
 from fovea.disagg import handoff
-from fovea.disagg.checksum_kernel import checksum_many
+from fovea.engine.kernels.checksum_kernel import checksum_many
 
 
 def flats(*sizes: int, seed: int = 0) -> list[torch.Tensor]:

@@ -1,21 +1,32 @@
 """The Triton kernel modules hold kernels and their launches only: their checks and timings live
-in ``bench/kernels_check.py``, their case builders and references in ``fovea.testing.kernel_cases``."""
+in ``bench/kernels_check.py``, their case builders and references in ``fovea.engine.kernels.cases``."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ["triton_decode", "triton_prefill", "triton_ops", "qwen_vision_kernels", "vision_kernels",
+           "checksum_kernel", "cases"]
 
 
 def test_the_kernel_modules_import_nothing_above_them():
     code = ("import sys\n"
-            "import fovea.engine.paged.triton_decode, fovea.engine.paged.triton_prefill, fovea.engine.paged.triton_ops\n"
+            "import fovea.engine.kernels.triton_decode, fovea.engine.kernels.triton_prefill, fovea.engine.kernels.triton_ops\n"
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('fovea'))))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["fovea", "fovea.engine", "fovea.engine.paged", "fovea.engine.paged.triton_decode",
-                   "fovea.engine.paged.triton_ops", "fovea.engine.paged.triton_prefill",
-                   "fovea.engine.paged.triton_util"]
+    assert out == ["fovea", "fovea.engine", "fovea.engine.kernels", "fovea.engine.kernels.triton_decode",
+                   "fovea.engine.kernels.triton_ops", "fovea.engine.kernels.triton_prefill",
+                   "fovea.engine.kernels.triton_util"]
+
+
+def test_every_kernel_module_imports_no_engine_object():
+    modules = ", ".join(f"fovea.engine.kernels.{name}" for name in KERNELS)
+    code = (f"import sys\nimport {modules}\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('fovea'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == sorted(["fovea", "fovea.engine", "fovea.engine.kernels", "fovea.engine.kernels.triton_util",
+                          *(f"fovea.engine.kernels.{name}" for name in KERNELS)])
 
 
 def test_the_kernel_check_command_line():

@@ -8,9 +8,10 @@ import pytest
 import torch
 from kernel_helpers import needs_triton
 
+from fovea.engine.model.weights import fuse_rows
 from fovea.engine.paged.attention import AttnMeta, PrefillBatch, PrefillSpan, attention_backend
 from fovea.engine.paged.kv_cache import KVCache
-from fovea.engine.paged.llama import PagedLlama, fuse_rows
+from fovea.engine.paged.llama import PagedLlama
 from fovea.models.llava import LlavaAdapter
 from fovea.testing.tolerance import assert_close_for, path_len_of
 

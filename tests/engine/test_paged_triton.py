@@ -6,8 +6,8 @@ import pytest
 import torch
 from kernel_helpers import needs_triton
 
+from fovea.engine.kernels.cases import poison_past_context, random_decode_case
 from fovea.engine.paged.attention import paged_decode_torch
-from fovea.testing.kernel_cases import poison_past_context, random_decode_case
 from fovea.testing.tolerance import assert_close_for, attention_path_len
 
 
@@ -15,7 +15,7 @@ from fovea.testing.tolerance import assert_close_for, attention_path_len
 @pytest.mark.parametrize("case", [(1, 4, 4, 64, 16, 1), (3, 8, 2, 64, 16, 40), (2, 8, 2, 128, 16, 1100),
                                   (3, 6, 2, 80, 8, 70)])
 def test_triton_paged_decode_matches_torch(case):
-    from fovea.engine.paged import triton_decode
+    from fovea.engine.kernels import triton_decode
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch, heads, kv_heads, dim, block_size, ctx = case
@@ -46,7 +46,7 @@ def test_choose_config_policy():
     """The automatic split for LLaVA-7B shapes (32 KV heads, block 16) on 132 SMs: a few
     programs per SM at small batch, one pass with no merge at large batch, and a graph's wide
     table (256 blocks) adding no partitions past MAX_PARTS."""
-    from fovea.engine.paged.triton_decode import MAX_PARTS, choose_config
+    from fovea.engine.kernels.triton_decode import MAX_PARTS, choose_config
 
     parts = {(b, w): choose_config(b, 32, w, 16, 132).num_parts for b in (1, 32, 256) for w in (45, 256)}
     assert parts == {(1, 45): 12, (1, 256): MAX_PARTS, (32, 45): 3, (32, 256): 3, (256, 45): 1, (256, 256): 1}
@@ -69,7 +69,7 @@ def test_choose_config_policy():
 def test_triton_paged_decode_wide_table(case):
     """Tables much wider than the contexts (as captured in a CUDA graph), with the columns
     past each context pointing at a block of NaN: any read of them would show."""
-    from fovea.engine.paged import triton_decode
+    from fovea.engine.kernels import triton_decode
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch, heads, kv_heads, dim, block_size, ctx, width, part = case

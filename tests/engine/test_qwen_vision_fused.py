@@ -17,6 +17,7 @@ from kernel_helpers import DEVICE, needs_triton
 from scene_helpers import TEST_DEVICE
 
 from fovea.engine import qwen_vision_layout
+from fovea.engine.kernels.qwen_vision_kernels import TorchOps, TritonOps
 from fovea.engine.qwen_vision_fused import (
     QWEN2_5,
     QWEN3,
@@ -25,7 +26,6 @@ from fovea.engine.qwen_vision_fused import (
     startup_problem,
     supports,
 )
-from fovea.engine.qwen_vision_kernels import TorchOps, TritonOps
 from fovea.engine.varlen_attention import GROUPED, varlen_attention, varlen_backend
 from fovea.engine.vision_fused import MODEL_TOLERANCE, relative_error
 from fovea.model.loader import load_model

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from kernel_helpers import DEVICE, needs_triton
 
-from fovea.testing.kernel_cases import rms_norm_reference, rope_reference
+from fovea.engine.kernels.cases import rms_norm_reference, rope_reference
 from fovea.testing.tolerance import assert_close_for
 
 
@@ -19,7 +19,7 @@ def rand(*shape, seed=0, scale=1.0):
 @needs_triton
 @pytest.mark.parametrize("rows,cols", [(1, 64), (3, 1000)])
 def test_add_rms_norm_adds_in_place_and_normalises_the_sum(rows, cols):
-    from fovea.engine.paged.triton_ops import add_rms_norm
+    from fovea.engine.kernels.triton_ops import add_rms_norm
 
     x, residual, weight = rand(rows, cols, seed=1), rand(rows, cols, seed=2), 1 + rand(cols, seed=3, scale=0.1)
     expected_sum = residual + x
@@ -33,7 +33,7 @@ def test_add_rms_norm_adds_in_place_and_normalises_the_sum(rows, cols):
 @needs_triton
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
 def test_rope_write_kv_rotates_q_and_k_and_fills_the_cache_slots(heads, kv_heads):
-    from fovea.engine.paged.triton_ops import rope_write_kv
+    from fovea.engine.kernels.triton_ops import rope_write_kv
 
     tokens, dim, block_size = 5, 32, 4
     qkv = rand(tokens, (heads + 2 * kv_heads) * dim, seed=4)
@@ -61,7 +61,7 @@ def test_rope_write_kv_rotates_q_and_k_and_fills_the_cache_slots(heads, kv_heads
 
 @needs_triton
 def test_silu_mul_and_gemv_match_torch():
-    from fovea.engine.paged.triton_ops import gemv, silu_mul
+    from fovea.engine.kernels.triton_ops import gemv, silu_mul
 
     gate_up = rand(3, 2 * 300, seed=5)
     gate, up = gate_up.split(300, dim=1)
@@ -74,7 +74,7 @@ def test_silu_mul_and_gemv_match_torch():
 @needs_triton
 def test_the_startup_check_passes_and_names_a_broken_kernel(monkeypatch):
     """An engine runs this before trusting the kernels; a wrong kernel sends it to the torch path."""
-    from fovea.engine.paged import triton_ops
+    from fovea.engine.kernels import triton_ops
     from fovea.engine.paged.kernel_selfcheck import triton_self_check
 
     assert triton_self_check(DEVICE, torch.float32) is None

@@ -7,8 +7,8 @@ import pytest
 import torch
 from kernel_helpers import DEVICE, needs_triton
 
-from fovea.engine.paged import triton_prefill as tp
-from fovea.testing.kernel_cases import prefill_torch_reference, random_prefill_case
+from fovea.engine.kernels import triton_prefill as tp
+from fovea.engine.kernels.cases import prefill_torch_reference, random_prefill_case
 from fovea.testing.tolerance import assert_close_for, attention_path_len
 
 SMALL_TILES = tp.PrefillConfig(16, 16, 4, 2)  # many query and key tiles even for short chunks

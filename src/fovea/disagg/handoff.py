@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.disagg import checksum_kernel
+from fovea.engine.kernels import checksum_kernel
 from fovea.errors import FoveaError
 
 MAGIC = b"FVE1"

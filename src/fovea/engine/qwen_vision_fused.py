@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fovea.engine.paged import triton_util
-from fovea.engine.paged.llama import fuse_rows
-from fovea.engine.qwen_vision_kernels import TorchOps, TritonOps
+from fovea.engine.kernels import triton_util
+from fovea.engine.kernels.qwen_vision_kernels import TorchOps, TritonOps
+from fovea.engine.model.weights import fuse_rows
 from fovea.engine.qwen_vision_layout import GridLayouts
 from fovea.engine.varlen_attention import GROUPED, varlen_attention, varlen_backend
 from fovea.engine.vision_fused import MODEL_TOLERANCE, relative_error

@@ -172,7 +172,7 @@ class TritonAttention(AttentionBackend):
     name, batched_prefill = "triton", True
 
     def __init__(self) -> None:
-        from fovea.engine.paged import triton_decode, triton_prefill
+        from fovea.engine.kernels import triton_decode, triton_prefill
 
         self._decode = triton_decode.paged_decode
         self._prefill = triton_prefill.paged_prefill

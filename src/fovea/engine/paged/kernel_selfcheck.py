@@ -17,15 +17,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.paged import triton_decode, triton_ops, triton_prefill, triton_util
-from fovea.engine.paged.attention import paged_decode_torch
-from fovea.testing.kernel_cases import (
+from fovea.engine.kernels import triton_decode, triton_ops, triton_prefill, triton_util
+from fovea.engine.kernels.cases import (
     prefill_torch_reference,
     random_decode_case,
     random_prefill_case,
     rms_norm_reference,
     rope_reference,
 )
+from fovea.engine.paged.attention import paged_decode_torch
 
 
 def ops_problem(device: torch.device, dtype: torch.dtype) -> str | None:

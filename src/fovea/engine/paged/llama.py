@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.paged import triton_ops
+from fovea.engine.kernels import triton_ops
+from fovea.engine.model.weights import fuse_rows
 from fovea.engine.paged.attention import AttentionBackend, AttnMeta, attention, write_kv
 from fovea.engine.paged.kv_cache import KVCache, KVShape
 from fovea.errors import ModelLoadError
@@ -54,34 +55,6 @@ class LayerWeights:
     # Qwen3: RMSNorm over each q and k head before RoPE (None elsewhere).
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-
-
-def fuse_rows(modules: list[torch.nn.Module], attr: str) -> torch.Tensor | None:
-    """One tensor holding the modules' ``attr`` (weight or bias) stacked by rows, with each
-    module's parameter re-pointed at its slice, so both views share memory. Returns the
-    existing fused tensor when an earlier call already did this."""
-    params = [getattr(m, attr) for m in modules]
-    if any(p is None for p in params):
-        return None
-    marker = f"_fovea_fused_{attr}"
-    fused = getattr(modules[0], marker, None)
-    if fused is not None:  # fused by an earlier engine on the same model: still its views?
-        offset, rows = fused.data_ptr(), 0
-        for p in params:
-            if p.data_ptr() != offset + rows * fused.stride(0) * fused.element_size():
-                break
-            rows += p.shape[0]
-        else:
-            if rows == fused.shape[0]:
-                return fused
-    fused = torch.cat([p.data for p in params], dim=0)
-    start = 0
-    for p in params:
-        rows = p.shape[0]
-        p.data = fused[start:start + rows]
-        start += rows
-    setattr(modules[0], marker, fused)
-    return fused
 
 
 def rope_parameters(config) -> dict:

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fovea.engine.paged import triton_ops, tuning_cache
+from fovea.engine.kernels import triton_ops
+from fovea.engine.paged import tuning_cache
 from fovea.engine.paged.kv_cache import KVCache, KVShape
 from fovea.engine.paged.logits_processors import penalise, penalty_slots, token_counts_bytes
 from fovea.engine.paged.memory_plan import (

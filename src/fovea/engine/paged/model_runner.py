@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.paged import triton_util
+from fovea.engine.kernels import triton_util
 from fovea.engine.paged.attention import (
     AttnMeta,
     PrefillBatch,

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from fovea import __version__
-from fovea.engine.paged import triton_ops
+from fovea.engine.kernels import triton_ops
 
 log = logging.getLogger("fovea.engine.paged")
 

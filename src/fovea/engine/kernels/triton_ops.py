@@ -27,7 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.paged.triton_util import next_pow2
+from fovea.engine.kernels.triton_util import next_pow2
 
 log = logging.getLogger("fovea.engine.paged")
 

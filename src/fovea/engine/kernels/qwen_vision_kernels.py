@@ -9,7 +9,7 @@ float32 rounding inside one step:
 - ``rms_norm`` / ``add_rms_norm``: Qwen2.5-VL's RMSNorm (``weight * (x * rsqrt(mean(x^2) + eps))``,
   normalised in float32, rounded, then scaled and rounded again), optionally after the residual
   add (rounded as torch's add);
-- ``layer_norm`` / ``add_layer_norm``: Qwen3-VL's LayerNorm (``vision_fused``'s kernel);
+- ``layer_norm`` / ``add_layer_norm``: Qwen3-VL's LayerNorm (``vision_kernels``' kernel);
 - ``silu_and_mul``: ``silu(gate) * up`` from one [T, 2I] gate/up product (two eager ops: two roundings);
 - ``gelu_tanh``: ``gelu(x, approximate="tanh")`` (one eager op), and exact ``gelu``;
 - ``rotary``: the 2-D rotary of q and k straight from the [T, 3 * H * D] q/k/v product, written
@@ -26,8 +26,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.paged.triton_util import next_pow2
-from fovea.engine.vision_fused import GELU, activation, add_layer_norm, layer_norm
+from fovea.engine.kernels.triton_util import next_pow2
+from fovea.engine.kernels.vision_kernels import GELU, activation, add_layer_norm, layer_norm
 
 
 @functools.cache
@@ -176,7 +176,7 @@ class TritonOps:
 
     @staticmethod
     def gelu(x: torch.Tensor) -> torch.Tensor:
-        """Exact GELU, in place (``vision_fused``'s kernel)."""
+        """Exact GELU, in place (``vision_kernels``' kernel)."""
         return activation(x, GELU, out=x)
 
     @staticmethod

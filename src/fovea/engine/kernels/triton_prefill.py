@@ -28,7 +28,7 @@ that share a KV head read the same K/V tiles, which mostly come from L2.
 
 triton is imported lazily: this module imports without it, and ``triton_util.available()`` says whether
 the kernel can run. Check against the torch reference
-(``fovea.testing.kernel_cases.prefill_torch_reference``; ``TRITON_INTERPRET=1`` runs the kernel
+(``fovea.engine.kernels.cases.prefill_torch_reference``; ``TRITON_INTERPRET=1`` runs the kernel
 in triton's CPU interpreter with ``--device cpu``) and time it:
 
     python3 bench/kernels_check.py --kernel prefill --check [--bench] [--sweep]
@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import torch
 
-from fovea.engine.paged.triton_util import next_pow2
+from fovea.engine.kernels.triton_util import next_pow2
 
 LOG2E = 1.4426950408889634
 

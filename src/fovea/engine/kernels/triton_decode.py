@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.engine.paged.triton_util import next_pow2
+from fovea.engine.kernels.triton_util import next_pow2
 
 PARTITION_TOKENS = 512  # kept for callers that pass it explicitly; the default is automatic
 TILE_TOKENS = 64  # context tokens per loop iteration (4 blocks of 16)

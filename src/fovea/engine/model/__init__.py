@@ -1,0 +1,3 @@
+"""fovea's own forward of the language model: weights shared in place with transformers'
+modules (``weights``).
+"""
