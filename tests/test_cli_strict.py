@@ -82,7 +82,7 @@ def test_the_server_settings_reach_the_paged_engine(demo_model):
 
 def test_a_gpu_share_on_a_cpu_device_is_refused_not_ignored(demo_model):
     from fovea.config import ServerSettings
-    from fovea.engine.paged.memory_plan import MemoryPlanError
+    from fovea.engine.memory.plan import MemoryPlanError
     from fovea.serve.app import create_app
 
     with pytest.raises(MemoryPlanError, match="--gpu-memory-utilization applies to a GPU") as err:

@@ -30,7 +30,7 @@ from scene_helpers import free_port
 import fovea
 from fovea.cli import build_parser
 from fovea.config import ServerSettings, usable_cores
-from fovea.engine.paged.memory_planner import host_available_bytes
+from fovea.engine.memory.planner import host_available_bytes
 from fovea.guard.canary_fit import PROBE_SIZES, canary_prompt, probe_bytes
 from fovea.guard.probe_images import DEFAULT_CASES
 

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from fovea.engine.paged.memory_plan import (
+from fovea.engine.memory.plan import (
     ALLOCATOR_ROUNDING,
     GiB,
     KVRequest,
@@ -121,7 +121,7 @@ def test_the_runtime_line_is_the_processs_own_where_nvml_says():
 def test_the_nvml_reading_of_a_machine_without_a_gpu_is_none():
     import torch
 
-    from fovea.engine.paged.memory_profile import _nvml_handle
+    from fovea.engine.memory.profile import _nvml_handle
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

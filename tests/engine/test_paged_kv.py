@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.memory.plan import MemoryPlanError
 from fovea.engine.paged.config import GPU_MODEL_MIN_PARAMETERS, PagedEngineConfig, SettingsError
 from fovea.engine.paged.kv_cache import KVCache, KVShape
-from fovea.engine.paged.memory_plan import MemoryPlanError
 from fovea.engine.paged.model_runner import ModelRunner
 
 MiB, GiB = 2**20, 2**30

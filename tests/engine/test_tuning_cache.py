@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fovea.engine.kernels import triton_ops
-from fovea.engine.paged import tuning_cache
-from fovea.engine.paged.tuning_cache import TuningCache, model_fingerprint
+from fovea.engine.memory import tuning_cache
+from fovea.engine.memory.tuning_cache import TuningCache, model_fingerprint
 
 KEY = {"gpu": "NVIDIA H200", "capability": "9.0", "cuda": "13.0", "torch": "2.11.0", "triton": "3.6.0",
        "fovea": "0", "model": "abc"}

@@ -9,7 +9,7 @@ import pytest
 from scene_helpers import data_url, fresh_scene
 
 from fovea.demo import scenes
-from fovea.engine.paged.memory_planner import Planner
+from fovea.engine.memory.planner import Planner
 
 URL = data_url(scenes.render(fresh_scene(5100, min_shapes=2)))
 CHAT = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": URL}},

@@ -55,7 +55,7 @@ def measure_plan(service: EncodeService, batch_images: int) -> EncoderPlan:
     """The worker's plan: its weights, and on CUDA the measured peak of its largest batch (the
     tower's fixed size x ``batch_images``, or one image of the processor's max_pixels),
     sealing included (the checksum's temporaries live on the GPU too)."""
-    from fovea.engine.paged.memory_profile import CudaMeter, measure, tensor_bytes
+    from fovea.engine.memory.profile import CudaMeter, measure, tensor_bytes
 
     part = service.part
 

@@ -76,7 +76,7 @@ def check_gpu_share(settings: ServerSettings, front: bool) -> None:
 
         device = str(resolve_device(settings.device))
     if not device.startswith("cuda"):
-        from fovea.engine.paged.memory_planner import gpu_share_off_gpu
+        from fovea.engine.memory.planner import gpu_share_off_gpu
 
         raise gpu_share_off_gpu(device)
 

@@ -178,7 +178,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 GEMV_CONFIGS = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4), (16, 512, 8), (16, 1024, 8),
                 (32, 256, 4), (4, 2048, 8), (2, 2048, 4))
 GEMV_STAGES = 3  # triton.Config's default, which these configurations were chosen under
-# Choices made on first use of a shape, by timing (start-up makes them all: memory_planner);
+# Choices made on first use of a shape, by timing (start-up makes them all: memory.planner);
 # ``tuning_cache`` keeps them between starts. Keys: (rows, N, K, dtype name).
 _GEMV_CONFIG: dict[tuple, tuple[int, int, int]] = {}  # -> the fastest of GEMV_CONFIGS
 _GEMV_CHOICE: dict[tuple, bool] = {}  # -> the Triton kernel beat cuBLAS

@@ -36,7 +36,7 @@ class PagedEngineConfig:
     max_num_seqs: int | None = None
     max_queue: int | None = None  # requests waiting beyond this are refused with 429; None: unbounded
     max_model_len: int | None = None  # None: the model's context length
-    # The memory plan (memory_planner.py). CUDA: the share of the device this process may hold
+    # The memory plan (memory/planner.py). CUDA: the share of the device this process may hold
     # (None: 0.9), at most what is free. kv_cache_memory: the KV cache's exact size in bytes,
     # instead of what that share leaves (CPU: the KV budget, None: 256 MiB).
     gpu_memory_utilization: float | None = None

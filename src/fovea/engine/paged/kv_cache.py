@@ -1,4 +1,4 @@
-"""The paged KV cache: its shape, its tensors and the block count chosen for it (see memory_planner)."""
+"""The paged KV cache: its shape, its tensors and the block count chosen for it (see memory.planner)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import torch
 
 from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.kernels import triton_util
+from fovea.engine.memory.planner import Planner
 from fovea.engine.paged.attention import (
     AttnMeta,
     PrefillBatch,
@@ -26,7 +27,6 @@ from fovea.engine.paged.embeddings import PromptEmbedder
 from fovea.engine.paged.kernel_selfcheck import self_check
 from fovea.engine.paged.kv_cache import KVCache, KVPlan
 from fovea.engine.paged.llama import PagedLlama
-from fovea.engine.paged.memory_planner import Planner
 from fovea.engine.paged.prompt_scores import PromptScores, score_step
 from fovea.engine.paged.scheduler import Chunk, StepPlan
 from fovea.engine.paged.sequence import Sequence

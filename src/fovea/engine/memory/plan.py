@@ -1,6 +1,6 @@
 """The process's GPU memory as a plan: one line per long-lived allocation, and what the KV cache gets.
 
-Nothing here touches a device: the numbers come in (measured by ``memory_profile`` on CUDA,
+Nothing here touches a device: the numbers come in (measured by ``profile`` on CUDA,
 computed from sizes on CPU) and a ``MemoryPlan`` or a ``MemoryPlanError`` comes out, so
 the arithmetic and the refusals are tested without a GPU.
 

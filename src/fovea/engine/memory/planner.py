@@ -1,7 +1,7 @@
 """Start-up of the paged engine's memory: measure every long-lived allocation, size the KV cache, cap the rest.
 
 On CUDA (``Planner.plan``), in order, each phase measured from a settled allocator
-(``memory_profile.measure``):
+(``profile.measure``):
 1. the budget: ``--gpu-memory-utilization`` of the device, at most what is free;
 2. the weights and the tensors already held;
 3. kernel choices made now, not while serving (the matrix-vector kernel's timing against
@@ -15,7 +15,7 @@ On CUDA (``Planner.plan``), in order, each phase measured from a settled allocat
 7. what the process holds outside torch: with NVML its own usage (CUDA context, workspaces,
    kernel modules); without it, the device-wide growth since start-up (``runtime_line``);
 then the caches that fill while serving (encoder cache, prompt embeddings in flight) and a
-headroom line, and the KV cache gets the rest (``memory_plan.plan_kv``).
+headroom line, and the KV cache gets the rest (``plan.plan_kv``).
 
 ``enforce`` then caps torch's caching allocator at the plan's torch lines: an allocation past
 the plan raises out-of-memory at once, which the engine recovers from, instead of taking
@@ -27,15 +27,13 @@ On CPU, and with a fixed block count, the plan is computed from sizes and not en
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from fovea.engine.kernels import triton_ops
-from fovea.engine.paged import tuning_cache
-from fovea.engine.paged.kv_cache import KVCache, KVShape
-from fovea.engine.paged.logits_processors import penalise, penalty_slots, token_counts_bytes
-from fovea.engine.paged.memory_plan import (
+from fovea.engine.memory import tuning_cache
+from fovea.engine.memory.plan import (
     KVRequest,
     MemoryPlan,
     MemoryPlanError,
@@ -46,12 +44,16 @@ from fovea.engine.paged.memory_plan import (
     process_budget,
     runtime_line,
 )
-from fovea.engine.paged.memory_profile import CudaMeter, measure, tensor_bytes
-from fovea.engine.paged.tuning_cache import TuningCache
+from fovea.engine.memory.profile import CudaMeter, measure, tensor_bytes
+from fovea.engine.memory.tuning_cache import TuningCache
+from fovea.engine.paged.kv_cache import KVCache, KVShape
+from fovea.engine.paged.logits_processors import penalise, penalty_slots, token_counts_bytes
 from fovea.startup_clock import STARTUP
 
 if TYPE_CHECKING:
-    from fovea.engine.paged.model_runner import ModelRunner
+    from fovea.engine.paged.config import PagedEngineConfig
+    from fovea.engine.paged.llama import PagedLlama
+    from fovea.model.loader import LoadedModel
 
 log = logging.getLogger("fovea.engine.paged")
 
@@ -80,8 +82,31 @@ def host_available_bytes() -> int | None:
     return None
 
 
+class PlannedRunner(Protocol):
+    """What the planner needs of the model runner (``ModelRunner``): its sizes, a dummy step and
+    vision batch to measure, and the graphs it captures while measuring."""
+
+    config: PagedEngineConfig
+    device: torch.device
+    block_size: int
+    max_prefill_tokens: int
+    decode_graphs_enabled: bool
+    llama: PagedLlama
+    loaded: LoadedModel
+
+    def scratch_blocks(self) -> int: ...
+
+    def dummy_step(self, cache: KVCache, tokens: int | None = None, rows: int | None = None) -> torch.Tensor: ...
+
+    def dummy_vision_batch(self) -> torch.Tensor | None: ...
+
+    def capture_vision_graphs(self) -> None: ...
+
+    def build_graphs(self, *, cache: KVCache | None = None) -> Any: ...
+
+
 class Planner:
-    def __init__(self, runner: ModelRunner, shape: KVShape) -> None:
+    def __init__(self, runner: PlannedRunner, shape: KVShape) -> None:
         self.runner = runner
         self.config = runner.config
         self.shape = shape
