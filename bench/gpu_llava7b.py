@@ -265,7 +265,7 @@ def main() -> int:
                          "floor_images_per_s": 32 / vis_floor}
     rows.append(("vision b32", "images/s", f"{32 / vis_s:.0f}", f"{32 / hf['vision_s']:.0f}",
                  f"{32 / vis_floor:.0f} (FLOPs)"))
-    from fovea.engine.vision_graphs import try_graphed_vision
+    from fovea.engine.vision.vision_graphs import try_graphed_vision
 
     graphed = try_graphed_vision(loaded, 32)
     if graphed is not None:
@@ -275,7 +275,7 @@ def main() -> int:
                      f"{32 / vis_floor:.0f} (FLOPs)"))
         del graphed
     # The vision stage the engine picks (fused Triton kernels where they pass their check).
-    from fovea.engine.vision_fused import FusedVision, choose_vision_encoder
+    from fovea.engine.vision.vision_fused import FusedVision, choose_vision_encoder
 
     fused, label = choose_vision_encoder(loaded)
     log(f"vision stage of the engine: {label}")

@@ -10,7 +10,7 @@
 - ``ops``: add + RMSNorm, rotary + KV write, SiLU * up, matrix-vector (``triton_ops``);
   ``--bench`` times the matrix-vector kernel against cuBLAS;
 - ``vision``: the fused vision stage's kernels and the whole stage against transformers'
-  modules (``fovea.engine.vision_fused``); ``--bench`` times eager vs fused on LLaVA-1.5-7B's
+  modules (``fovea.engine.vision.vision_fused``); ``--bench`` times eager vs fused on LLaVA-1.5-7B's
   tower (random weights).
 
 ``--check`` prints one line per case and PASS or FAIL; it exits 1 when any case is outside its
@@ -411,7 +411,7 @@ VISION_KERNEL_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.floa
 
 def vision_check(device: torch.device, dtypes: list[torch.dtype] | None = None) -> float:
     """Worst error / tolerance over the kernels and the whole stage; prints one line per case."""
-    from fovea.engine.vision_fused import (
+    from fovea.engine.vision.vision_fused import (
         GELU,
         MODEL_TOLERANCE,
         QUICK_GELU,
@@ -462,7 +462,7 @@ def vision_check(device: torch.device, dtypes: list[torch.dtype] | None = None) 
 def matmul_workload(fused, images: int) -> tuple[Callable[[], None], Callable[[], None], float]:
     """(the stage's matrix products alone, its attention alone, FLOPs of both) at ``images``,
     on inputs made once, so each time is what cuBLAS / SDPA need on these shapes."""
-    from fovea.engine.vision_fused import attention
+    from fovea.engine.vision.vision_fused import attention
 
     loaded, dev, dt = fused.loaded, fused.loaded.device, fused.dtype
     vision = loaded.model.config.vision_config
@@ -502,8 +502,8 @@ def matmul_ceiling(device: torch.device, n: int = 8192) -> float:
 def vision_bench(device: torch.device) -> None:
     """LLaVA-1.5-7B's vision stage (random bf16 weights): eager vs fused, with and without
     CUDA graphs, at batch 1 and 32, read against the matrix products alone."""
-    from fovea.engine.vision_fused import FusedVision, sample_pixels, startup_problem
-    from fovea.engine.vision_graphs import try_graphed_vision
+    from fovea.engine.vision.vision_fused import FusedVision, sample_pixels, startup_problem
+    from fovea.engine.vision.vision_graphs import try_graphed_vision
     from fovea.model.vision import encode_images
 
     loaded = random_llava(llava15_vision(), 4096, device, torch.bfloat16, weight_std=0.02)

@@ -186,7 +186,7 @@ def fovea_vision_stage(loaded, which: str) -> tuple[Callable, str]:
     """The vision forward the engine would run (``chosen``), or the adapter's eager one."""
     if which == "eager":
         return loaded.adapter.vision_forward(loaded), "the adapter's modules (eager)"
-    from fovea.engine.vision_stage import choose_vision_stage
+    from fovea.engine.vision.vision_stage import choose_vision_stage
 
     stage = choose_vision_stage(loaded, enabled=True)
     return stage.forward, stage.label

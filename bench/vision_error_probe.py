@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_llava7b import build_model
 
-from fovea.engine.vision_fused import FusedVision, startup_problem
+from fovea.engine.vision.vision_fused import FusedVision, startup_problem
 from fovea.model.vision import encode_images
 
 

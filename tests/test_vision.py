@@ -55,8 +55,8 @@ class FakeGraphs:
 
 
 def test_the_image_encoder_uses_graphs_for_the_batches_they_hold(demo_model):
-    from fovea.engine.encoder_cache import EncoderCache
-    from fovea.engine.image_encoder import ImageEncoder
+    from fovea.engine.vision.encoder_cache import EncoderCache
+    from fovea.engine.vision.image_encoder import ImageEncoder
     from fovea.model.prompt import EncodedPrompt, ImageInput
 
     def prompt(seed):

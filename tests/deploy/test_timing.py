@@ -8,7 +8,7 @@ import httpx
 from scene_helpers import data_url, fresh_scene
 
 from fovea.demo import scenes
-from fovea.engine.vision_timings import VisionTimings
+from fovea.engine.vision.vision_timings import VisionTimings
 
 
 def chat(base: str, url: str | None, stream: bool = False, **fovea) -> httpx.Response:

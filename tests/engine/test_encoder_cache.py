@@ -2,7 +2,7 @@
 
 import torch
 
-from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.vision.encoder_cache import EncoderCache
 
 
 def test_views_of_a_larger_block_are_cached_as_compact_copies():

@@ -115,7 +115,6 @@ def test_the_runner_feeds_the_triton_prefill_kernel_whole_steps(demo_model):
     from test_paged_helpers import prompt_for
 
     from fovea.demo import scenes
-    from fovea.engine.encoder_cache import EncoderCache
     from fovea.engine.paged.block_manager import BlockManager
     from fovea.engine.paged.config import PagedEngineConfig
     from fovea.engine.paged.model_runner import ModelRunner
@@ -123,6 +122,7 @@ def test_the_runner_feeds_the_triton_prefill_kernel_whole_steps(demo_model):
     from fovea.engine.paged.sequence import Sequence
     from fovea.engine.request import EngineRequest
     from fovea.engine.sampling import SamplingParams
+    from fovea.engine.vision.encoder_cache import EncoderCache
 
     config = PagedEngineConfig(num_blocks=64).resolved(demo_model.device, demo_model.context_length)
     prompts = [prompt_for(demo_model, scenes.render(fresh_scene(s))) for s in (11, 12)]

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.memory.plan import MemoryPlanError
 from fovea.engine.paged.config import GPU_MODEL_MIN_PARAMETERS, PagedEngineConfig, SettingsError
 from fovea.engine.paged.kv_cache import KVCache, KVShape
 from fovea.engine.paged.model_runner import ModelRunner
+from fovea.engine.vision.encoder_cache import EncoderCache
 
 MiB, GiB = 2**20, 2**30
 DEMO = KVShape(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.float32)

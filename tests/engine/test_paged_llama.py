@@ -9,7 +9,6 @@ from scene_helpers import fresh_scene
 from test_paged_helpers import prompt_for
 
 from fovea.demo import scenes
-from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.paged.block_manager import BlockManager
 from fovea.engine.paged.config import PagedEngineConfig
 from fovea.engine.paged.llama import PagedLlama, inverse_frequencies
@@ -18,6 +17,7 @@ from fovea.engine.paged.scheduler import Scheduler
 from fovea.engine.paged.sequence import Sequence
 from fovea.engine.request import EngineRequest
 from fovea.engine.sampling import SamplingParams
+from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.errors import ModelLoadError
 from fovea.testing.tolerance import assert_close_to_model
 

@@ -1,4 +1,4 @@
-"""The fused Qwen vision stage (``fovea.engine.qwen_vision_fused``): its Triton kernels against
+"""The fused Qwen vision stage (``fovea.engine.vision.qwen_vision_fused``): its Triton kernels against
 their torch twins, the whole stage against the adapter's eager forward (transformers' modules)
 on the tiny random Qwen2.5-VL and Qwen3-VL checkpoints, images of several sizes and aspect
 ratios packed in one call, and the start-up check catching a wrong stage.
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from kernel_helpers import DEVICE, needs_triton
 from scene_helpers import TEST_DEVICE
 
-from fovea.engine import qwen_vision_layout
 from fovea.engine.kernels.qwen_vision_kernels import TorchOps, TritonOps
-from fovea.engine.qwen_vision_fused import (
+from fovea.engine.vision import qwen_vision_layout
+from fovea.engine.vision.qwen_vision_fused import (
     QWEN2_5,
     QWEN3,
     QwenFusedVision,
@@ -26,8 +26,8 @@ from fovea.engine.qwen_vision_fused import (
     startup_problem,
     supports,
 )
-from fovea.engine.varlen_attention import GROUPED, varlen_attention, varlen_backend
-from fovea.engine.vision_fused import MODEL_TOLERANCE, relative_error
+from fovea.engine.vision.varlen_attention import GROUPED, varlen_attention, varlen_backend
+from fovea.engine.vision.vision_fused import MODEL_TOLERANCE, relative_error
 from fovea.model.loader import load_model
 from fovea.models.base import ImageInput
 from fovea.testing import random_qwen2_5_vl, random_qwen3_vl

@@ -1,4 +1,4 @@
-"""The fused vision stage (``fovea.engine.vision_fused``): its Triton kernels against the torch
+"""The fused vision stage (``fovea.engine.vision.vision_fused``): its Triton kernels against the torch
 ops they replace, the whole stage against ``encode_images``, what it refuses, its start-up
 check, and the hooks that let the engines run it. Kernel tests run where triton imports and
 either CUDA is present or TRITON_INTERPRET=1 (``test_kernels_interpreted.py`` runs this file
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from kernel_helpers import DEVICE, needs_triton
 
-from fovea.engine import vision_fused
-from fovea.engine.vision_fused import (
+from fovea.engine.vision import vision_fused
+from fovea.engine.vision.vision_fused import (
     GELU,
     QUICK_GELU,
     FusedVision,
@@ -170,8 +170,8 @@ def test_choose_vision_encoder_keeps_transformers_modules_off_cuda(demo_model):
 
 
 def test_the_image_encoder_runs_the_encode_it_is_given(demo_model):
-    from fovea.engine.encoder_cache import EncoderCache
-    from fovea.engine.image_encoder import ImageEncoder
+    from fovea.engine.vision.encoder_cache import EncoderCache
+    from fovea.engine.vision.image_encoder import ImageEncoder
     from fovea.model.prompt import EncodedPrompt, ImageInput
     from fovea.models.llava import stacked
 
@@ -198,7 +198,7 @@ def test_the_image_encoder_runs_the_encode_it_is_given(demo_model):
 def test_the_vision_graphs_capture_the_encode_they_are_given(demo_model, monkeypatch):
     """What GraphedVision captures is ``encode``, warmed up first, largest batch first (CUDA's
     graph API stubbed: only which function is captured is checked here)."""
-    from fovea.engine import vision_graphs
+    from fovea.engine.vision import vision_graphs
 
     class FakeGraph:
         replays = 0

@@ -1,4 +1,4 @@
-"""Which vision forward runs (``fovea.engine.vision_stage``): chosen by the adapter's declared
+"""Which vision forward runs (``fovea.engine.vision.vision_stage``): chosen by the adapter's declared
 capability (``ModelAdapter.fused_vision``), never by a family's name, the same way in the
 engine's model runner and in the encode worker, and back to transformers' modules, with the
 reason in the label, when the fused stage is off, cannot run here or fails its start-up check."""
@@ -13,10 +13,10 @@ import torch
 
 import fovea
 from fovea.disagg.encode_worker import vision_stage
-from fovea.engine import vision_fused
-from fovea.engine import vision_stage as stages
-from fovea.engine.qwen_vision_fused import QwenFusedVision
-from fovea.engine.vision_stage import FUSED_STAGES, choose_vision_stage
+from fovea.engine.vision import vision_fused
+from fovea.engine.vision import vision_stage as stages
+from fovea.engine.vision.qwen_vision_fused import QwenFusedVision
+from fovea.engine.vision.vision_stage import FUSED_STAGES, choose_vision_stage
 from fovea.model.loader import load_model
 from fovea.model.vision import encode_images
 from fovea.models.llava_next import LlavaNextAdapter

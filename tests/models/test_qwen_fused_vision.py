@@ -1,5 +1,5 @@
 """Greedy answers of the tiny Qwen2.5-VL and Qwen3-VL checkpoints with the fused vision stage
-(``engine.qwen_vision_fused``, its torch ops on this CPU) equal transformers' ``generate``:
+(``engine.vision.qwen_vision_fused``, its torch ops on this CPU) equal transformers' ``generate``:
 several images of different sizes and aspect ratios per prompt, encoded in one packed call."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 from PIL import Image
 
 from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.qwen_vision_fused import QwenFusedVision
 from fovea.engine.reference import reference_generate
 from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.sampling import SamplingParams
+from fovea.engine.vision.qwen_vision_fused import QwenFusedVision
 from fovea.model.loader import load_model
 from fovea.model.prompt import encode_prompt, render_chat
 from fovea.testing import random_qwen2_5_vl, random_qwen3_vl

@@ -184,10 +184,10 @@ def error_frame(exc: BaseException, trace: str = "") -> bytes:
 def vision_stage(part, fused: bool) -> tuple:
     """(the vision forward, which one): the fused stage the adapter declares where it runs and
     agrees with transformers' modules on this tower (on a GPU), else the adapter's own
-    (``engine.vision_stage``, as the engine's model runner chooses). The fused CLIP stage keeps
+    (``engine.vision.vision_stage``, as the engine's model runner chooses). The fused CLIP stage keeps
     only the feature layer's hidden states: at LLaVA's batch of 32 the modules' forward keeps
     all 25 (0.9 GiB)."""
-    from fovea.engine.vision_stage import choose_vision_stage
+    from fovea.engine.vision.vision_stage import choose_vision_stage
 
     stage = choose_vision_stage(part, enabled=fused)
     return stage.forward, stage.label

@@ -276,7 +276,7 @@ class ModelAdapter(ABC):
 
     # ---- vision -------------------------------------------------------------------------
     # The fused vision stage this family's tower can run, by its name in the engine's registry
-    # (``fovea.engine.vision_stage.FUSED_STAGES``): "clip" (CLIP-style towers, fixed size),
+    # (``fovea.engine.vision.vision_stage.FUSED_STAGES``): "clip" (CLIP-style towers, fixed size),
     # "qwen2_5_vit" / "qwen3_vit" (Qwen's dynamic-resolution towers); None: the eager forward
     # only. The engine checks a fused stage against ``vision_forward`` before it trusts it.
     fused_vision: str | None = None

@@ -3,7 +3,7 @@
 Every image is resized and cropped to the tower's ``image_size`` and fills the same number of
 tokens (576 for LLaVA-1.5 at 336 px). The vision stage runs transformers' own modules layer by
 layer (``fovea.model.vision``); on CUDA the engine may swap in the fused kernels of
-``engine.vision_fused`` or graphs of ``engine.vision_graphs``, both checked against it.
+``engine.vision.vision_fused`` or graphs of ``engine.vision.vision_graphs``, both checked against it.
 """
 
 from __future__ import annotations

@@ -420,7 +420,7 @@ class Qwen2_5_VLAdapter(ModelAdapter):
     normalisation_fields = NORMALISATION_FIELDS
     video_recipe: type[FrameRecipe] = VideoRecipe  # what the family's video processor does
     codec_class: type[QwenCodec] = QwenCodec
-    fused_vision = "qwen2_5_vit"  # engine.qwen_vision_fused: window attention, RMSNorm, SiLU-gated MLP
+    fused_vision = "qwen2_5_vit"  # engine.vision.qwen_vision_fused: window attention, RMSNorm, SiLU-gated MLP
 
     def model_class(self) -> type:
         return Qwen2_5_VLForConditionalGeneration

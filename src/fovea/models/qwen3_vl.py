@@ -188,7 +188,7 @@ class Qwen3_VLAdapter(Qwen2_5_VLAdapter):
                      "interleaved M-RoPE; videos as timestamped frame groups"])
     video_recipe = Qwen3VideoRecipe
     codec_class = Qwen3Codec
-    fused_vision = "qwen3_vit"  # engine.qwen_vision_fused: LayerNorm, learned positions, DeepStack
+    fused_vision = "qwen3_vit"  # engine.vision.qwen_vision_fused: LayerNorm, learned positions, DeepStack
 
     def model_class(self) -> type:
         return Qwen3VLForConditionalGeneration

@@ -77,7 +77,7 @@ def sampling_params(state: ServerState, req: SamplingFields, prompt: EncodedProm
 
 
 def timing_report(state: ServerState, prompt: EncodedPrompt, finish: FinishEvent) -> dict:
-    """``fovea.timing``: what this request's images cost the vision stage (engine/vision_timings.py)
+    """``fovea.timing``: what this request's images cost the vision stage (engine/vision/vision_timings.py)
     and how fast its answer came."""
     vision = state.engine.encoder_cache.timings.report(prompt) or {"encoder_ms": None, "images_encoded": 0,
                                                                     "images_cached": 0}

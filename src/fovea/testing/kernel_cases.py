@@ -1,4 +1,4 @@
-"""Random-weight models for checking the fused vision stage (``fovea.engine.vision_fused``):
+"""Random-weight models for checking the fused vision stage (``fovea.engine.vision.vision_fused``):
 ``random_llava``, ``tiny_vision``, ``llava15_vision``. Used by its tests and by
 ``bench/kernels_check.py``. The kernels' case builders and torch references are in
 ``fovea.engine.kernels.cases``.

@@ -50,7 +50,7 @@ class PagedEngineConfig:
     # Fused q/k/v and gate/up products and Triton norm/rotary/activation kernels (CUDA, with
     # the Triton decode). None or True: on wherever the Triton decode is; False: off.
     fused_kernels: bool | None = None
-    # The vision stage's fused kernels (engine/vision_fused.py), checked against transformers'
+    # The vision stage's fused kernels (engine/vision/vision_fused.py), checked against transformers'
     # modules at start-up. None: with fused_kernels, for models of at least
     # GPU_MODEL_MIN_PARAMETERS; False: transformers' modules.
     fused_vision: bool | None = None

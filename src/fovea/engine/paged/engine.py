@@ -18,8 +18,6 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from fovea.engine.encoder_cache import EncoderCache
-from fovea.engine.image_encoder import start_worker
 from fovea.engine.paged import logprobs as token_logprobs
 from fovea.engine.paged.block_manager import BlockManager
 from fovea.engine.paged.config import PagedEngineConfig
@@ -41,6 +39,8 @@ from fovea.engine.request import (
 )
 from fovea.engine.sampling import SamplingParams
 from fovea.engine.structured.spec import StructuredOutputError
+from fovea.engine.vision.encoder_cache import EncoderCache
+from fovea.engine.vision.image_encoder import start_worker
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch

@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import torch
 
-from fovea.engine.encoder_cache import EncoderCache
 from fovea.engine.kernels import triton_util
 from fovea.engine.memory.planner import Planner
 from fovea.engine.paged.attention import (
@@ -23,7 +22,6 @@ from fovea.engine.paged.attention import (
 )
 from fovea.engine.paged.config import PagedEngineConfig
 from fovea.engine.paged.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
-from fovea.engine.paged.embeddings import PromptEmbedder
 from fovea.engine.paged.kernel_selfcheck import self_check
 from fovea.engine.paged.kv_cache import KVCache, KVPlan
 from fovea.engine.paged.llama import PagedLlama
@@ -31,8 +29,10 @@ from fovea.engine.paged.prompt_scores import PromptScores, score_step
 from fovea.engine.paged.scheduler import Chunk, StepPlan
 from fovea.engine.paged.sequence import Sequence
 from fovea.engine.paged.staging import resolve_pending, to_device
-from fovea.engine.vision_graphs import try_graphed_vision
-from fovea.engine.vision_stage import choose_vision_stage
+from fovea.engine.vision.embeddings import PromptEmbedder
+from fovea.engine.vision.encoder_cache import EncoderCache
+from fovea.engine.vision.vision_graphs import try_graphed_vision
+from fovea.engine.vision.vision_stage import choose_vision_stage
 from fovea.model.loader import LoadedModel
 from fovea.startup_clock import STARTUP
 

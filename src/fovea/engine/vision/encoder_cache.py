@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import torch
 
-from fovea.engine.vision_timings import VisionTimings
+from fovea.engine.vision.vision_timings import VisionTimings
 
 
 class EncoderCache:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from fovea.engine import vision_fused
+from fovea.engine.vision import vision_fused
 from fovea.models.base import ImageInput
 
 log = logging.getLogger("fovea.engine")
@@ -43,7 +43,7 @@ def clip_stage(loaded, enabled: bool) -> VisionStage:
 
 def qwen_stage(loaded, enabled: bool) -> VisionStage:
     """Qwen2.5-VL's and Qwen3-VL's towers (``qwen_vision_fused.QwenFusedVision``), any image sizes."""
-    from fovea.engine.qwen_vision_fused import QwenFusedVision, startup_problem
+    from fovea.engine.vision.qwen_vision_fused import QwenFusedVision, startup_problem
 
     eager = loaded.adapter.vision_forward(loaded)
     if not enabled:

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 import torch
 
-from fovea.engine.encoder_cache import EncoderCache
+from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.model.loader import LoadedModel
 from fovea.models.base import EncodedPrompt, ImageInput, PlaceholderMismatch
 

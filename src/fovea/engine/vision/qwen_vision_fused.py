@@ -45,9 +45,9 @@ from torch import nn
 from fovea.engine.kernels import triton_util
 from fovea.engine.kernels.qwen_vision_kernels import TorchOps, TritonOps
 from fovea.engine.model.weights import fuse_rows
-from fovea.engine.qwen_vision_layout import GridLayouts
-from fovea.engine.varlen_attention import GROUPED, varlen_attention, varlen_backend
-from fovea.engine.vision_fused import MODEL_TOLERANCE, relative_error
+from fovea.engine.vision.qwen_vision_layout import GridLayouts
+from fovea.engine.vision.varlen_attention import GROUPED, varlen_attention, varlen_backend
+from fovea.engine.vision.vision_fused import MODEL_TOLERANCE, relative_error
 from fovea.models.base import ImageInput
 
 log = logging.getLogger("fovea.engine")
