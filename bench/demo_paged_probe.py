@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.request import FinishEvent, TokenEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.request import FinishEvent, TokenEvent
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.loader import load_model
 from fovea.model.prompt import encode_prompt, render_chat
 

@@ -31,9 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from fovea.engine.core.request import FinishEvent, TokenEvent
 from fovea.engine.kernels import triton_util
-from fovea.engine.request import FinishEvent, TokenEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.loader import LoadedModel
 from fovea.model.prompt import EncodedPrompt, ImageInput
 from fovea.model.vision import encode_images
@@ -181,7 +181,7 @@ async def run_requests(engine, prompts, max_tokens: int) -> list[dict]:
 
 def make_engine(kind: str, loaded: LoadedModel, max_batch: int, batched_tokens: int | None = None):
     """fovea's one engine (``kind`` names it in the table: "paged")."""
-    from fovea.engine.paged import PagedEngine, PagedEngineConfig
+    from fovea.engine import PagedEngine, PagedEngineConfig
 
     return PagedEngine(loaded, PagedEngineConfig(max_num_seqs=max_batch, max_queue=4096,
                                                  max_num_batched_tokens=batched_tokens))

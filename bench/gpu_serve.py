@@ -151,9 +151,9 @@ def process_gpu_bytes(pid: int) -> int | None:
 
 def offline(model_dir: Path, args, results: dict) -> None:
     """The engine alone, in this process, on the same requests (images through the same processor)."""
-    from fovea.engine.paged import PagedEngine, PagedEngineConfig
-    from fovea.engine.request import FinishEvent, TokenEvent
-    from fovea.engine.sampling import SamplingParams
+    from fovea.engine import PagedEngine, PagedEngineConfig
+    from fovea.engine.core.request import FinishEvent, TokenEvent
+    from fovea.engine.sampling.params import SamplingParams
     from fovea.media import MediaConfig, decode_image_bytes
     from fovea.model.loader import load_model
     from fovea.model.prompt import encode_prompt, render_chat

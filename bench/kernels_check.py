@@ -21,7 +21,7 @@ is a few small cases).
 
 The case builders and torch references live in ``fovea.engine.kernels.cases`` (the fused vision
 stage's random-weight models in ``fovea.testing.kernel_cases``); the engine's
-start-up check (one small case per kernel) is ``fovea.engine.paged.kernel_selfcheck``.
+start-up check (one small case per kernel) is ``fovea.engine.runner.kernel_selfcheck``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from fovea.engine.kernels.triton_decode import DecodeConfig, _device_sms, choose
 from fovea.engine.kernels.triton_ops import add_rms_norm, gemv, rope_write_kv, silu_mul
 from fovea.engine.kernels.triton_prefill import PrefillConfig, paged_prefill, tile_config
 from fovea.engine.kernels.triton_util import time_cuda
-from fovea.engine.paged.attention import paged_decode_torch
+from fovea.engine.model.attention import paged_decode_torch
 from fovea.testing.kernel_cases import llava15_vision, random_llava, tiny_vision
 
 
@@ -277,7 +277,7 @@ def _visible_pairs(spans: list[tuple[int, int]]) -> int:
 def _sdpa_path(q, kc, vc, cu, bt, spans, scale, out):
     """The torch path (``attention.prefill_attention``): a Python loop of SDPA per chunk, K/V
     gathered from the cache for chunks past position 0."""
-    from fovea.engine.paged.attention import PrefillSpan, prefill_attention
+    from fovea.engine.model.attention import PrefillSpan, prefill_attention
 
     block_size = kc.shape[1]
     cu_l, bt_l = cu.tolist(), bt.long()

@@ -17,9 +17,9 @@ import time
 import torch
 
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.request import FinishEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.request import FinishEvent
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.loader import load_model
 from fovea.model.prompt import encode_prompt, render_chat
 

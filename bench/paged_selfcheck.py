@@ -24,10 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fovea.demo import scenes
-from fovea.engine.paged.config import PagedEngineConfig
-from fovea.engine.paged.engine import PagedEngine
-from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.config import PagedEngineConfig
+from fovea.engine.core.request import ErrorEvent, FinishEvent, TokenEvent
+from fovea.engine.engine import PagedEngine
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.loader import load_model
 from fovea.model.prompt import encode_prompt, render_chat
 

@@ -272,10 +272,10 @@ def worker_plan_720p(loaded, forward: Callable) -> dict:
 # ---- check against transformers ---------------------------------------------------------------
 
 def check_section(loaded, words: Callable[[int], str]) -> dict:
-    from fovea.engine.paged import PagedEngine, PagedEngineConfig
+    from fovea.engine import PagedEngine, PagedEngineConfig
+    from fovea.engine.core.request import ErrorEvent, FinishEvent, TokenEvent
     from fovea.engine.reference import reference_generate, reference_logits
-    from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
-    from fovea.engine.sampling import SamplingParams
+    from fovea.engine.sampling.params import SamplingParams
 
     image = photo((1280, 720), 3)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": words(3)}]}]

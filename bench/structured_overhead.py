@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import torch
 from PIL import Image
 
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.request import ErrorEvent, FinishEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.request import ErrorEvent, FinishEvent
+from fovea.engine.sampling.params import SamplingParams
 from fovea.engine.structured import bitmask
 from fovea.engine.structured.compiler import GrammarCompiler
 from fovea.engine.structured.spec import GrammarSpec

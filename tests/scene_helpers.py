@@ -21,7 +21,7 @@ from PIL import Image
 
 from fovea.config import ServerSettings
 from fovea.demo import scenes
-from fovea.engine.request import FinishEvent, TokenEvent
+from fovea.engine.core.request import FinishEvent, TokenEvent
 from fovea.model.loader import LoadedModel
 
 # Where the shared demo model and the servers built on it run: CPU in CI; FOVEA_TEST_DEVICE=cuda

@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from fovea.engine.detokenize import IncrementalDetokenizer
+from fovea.engine.core.detokenize import IncrementalDetokenizer
 
 TEXTS = ["The café on the corner serves crème brûlée.", "Zürich → Genève: 2½ hours 🚆🚆!",
          "漢字とかなの混じった文。", "  spaces   and\nnew lines\tand tabs ", "emoji 👩‍👩‍👧 family, ok"]

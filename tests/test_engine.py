@@ -5,10 +5,10 @@ from scene_helpers import fresh_scene
 from scene_helpers import run_all as run_engine
 
 from fovea.demo import scenes
-from fovea.engine.detokenize import IncrementalDetokenizer
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.detokenize import IncrementalDetokenizer
 from fovea.engine.reference import reference_generate
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
 from fovea.model.prompt import encode_prompt, render_chat
 

@@ -323,9 +323,9 @@ def doctor(args: argparse.Namespace) -> int:
 
 def chat(args: argparse.Namespace) -> int:
     from fovea.config import ServerSettings, engine_config
-    from fovea.engine.paged import PagedEngine
-    from fovea.engine.request import ErrorEvent, FinishEvent, default_max_tokens
-    from fovea.engine.sampling import SamplingParams
+    from fovea.engine import PagedEngine
+    from fovea.engine.core.request import ErrorEvent, FinishEvent, default_max_tokens
+    from fovea.engine.sampling.params import SamplingParams
     from fovea.media import decode_image_bytes
     from fovea.media.config import MediaConfig
     from fovea.model.loader import load_model

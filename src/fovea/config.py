@@ -146,7 +146,7 @@ def engine_config(settings: ServerSettings):
     """The paged engine's settings (a ``PagedEngineConfig``) from the server's: the one place where
     server flags become engine settings (``fovea serve``, the CLI's chat and doctor, the demo's
     evaluation). Defaults left as None are resolved by the engine for its device."""
-    from fovea.engine.paged.config import VISION_BATCH, PagedEngineConfig
+    from fovea.engine.config import VISION_BATCH, PagedEngineConfig
 
     return PagedEngineConfig(max_num_seqs=settings.max_batch_size,
                              max_queue=settings.max_queue,

@@ -17,8 +17,8 @@ from scene_helpers import data_url, free_port, fresh_scene, run_all, start_serve
 
 from fovea.config import ServerSettings
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.prompt import encode_prompt, render_chat
 
 QUESTION = "Describe the image."

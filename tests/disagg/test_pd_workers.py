@@ -27,8 +27,8 @@ from fovea import __version__
 from fovea.cli import main
 from fovea.config import ServerSettings
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.sampling.params import SamplingParams
 from fovea.front.metrics import merge
 from fovea.front.uploads import UploadRecord, sync
 from fovea.model.prompt import encode_prompt, render_chat

@@ -9,9 +9,9 @@ from scene_helpers import fresh_scene
 
 from fovea.demo import scenes
 from fovea.disagg.handoff import HandoffMismatch
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.request import ErrorEvent, FinishEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.request import ErrorEvent, FinishEvent
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.prompt import encode_prompt, render_chat
 
 

@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 import torch
 
-from fovea.engine.paged import kernel_selfcheck
+from fovea.engine.runner import kernel_selfcheck
 
 
 def _done(result=None, exc: BaseException | None = None) -> Future:

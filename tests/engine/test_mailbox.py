@@ -3,7 +3,7 @@
 import asyncio
 import threading
 
-from fovea.engine.request import LoopMailbox
+from fovea.engine.core.request import LoopMailbox
 
 
 def test_events_from_another_thread_arrive_in_order_with_batched_wakeups():

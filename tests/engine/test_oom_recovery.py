@@ -7,10 +7,10 @@ from scene_helpers import collect, fresh_scene, run_all
 from test_paged_helpers import prompt_for
 
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.paged.engine import OutOfMemory
-from fovea.engine.request import ErrorEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.request import ErrorEvent
+from fovea.engine.engine import OutOfMemory
+from fovea.engine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0)
 overlap_modes = pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])

@@ -5,8 +5,8 @@ from scene_helpers import fresh_scene, run_all
 from test_paged_helpers import prompt_for
 
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.sampling.params import SamplingParams
 
 ENGINES = pytest.mark.parametrize("make", [
     pytest.param(lambda m: PagedEngine(m, PagedEngineConfig(num_blocks=128, overlap_steps=False)), id="paged"),

@@ -2,9 +2,9 @@
 
 from test_paged_helpers import IMAGE, fake_seq
 
-from fovea.engine.paged.block_manager import BlockManager, block_hash
-from fovea.engine.paged.scheduler import Scheduler
-from fovea.engine.paged.sequence import SeqStatus, image_index_per_position
+from fovea.engine.core.block_manager import BlockManager, block_hash
+from fovea.engine.core.scheduler import Scheduler
+from fovea.engine.core.sequence import SeqStatus, image_index_per_position
 
 BS = 4
 

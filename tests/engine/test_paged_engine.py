@@ -5,8 +5,8 @@ from scene_helpers import fresh_scene, run_all
 from test_paged_helpers import prompt_for, reference_tokens
 
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0)
 # Each step queued before the previous step's tokens are read (the CUDA default) or after.

@@ -8,10 +8,10 @@ import pytest
 import torch
 from kernel_helpers import needs_triton
 
+from fovea.engine.model.attention import AttnMeta, PrefillBatch, PrefillSpan, attention_backend
+from fovea.engine.model.kv_cache import KVCache
+from fovea.engine.model.llama import PagedLlama
 from fovea.engine.model.weights import fuse_rows
-from fovea.engine.paged.attention import AttnMeta, PrefillBatch, PrefillSpan, attention_backend
-from fovea.engine.paged.kv_cache import KVCache
-from fovea.engine.paged.llama import PagedLlama
 from fovea.models.llava import LlavaAdapter
 from fovea.testing.tolerance import assert_close_for, path_len_of
 
@@ -115,13 +115,13 @@ def test_the_runner_feeds_the_triton_prefill_kernel_whole_steps(demo_model):
     from test_paged_helpers import prompt_for
 
     from fovea.demo import scenes
-    from fovea.engine.paged.block_manager import BlockManager
-    from fovea.engine.paged.config import PagedEngineConfig
-    from fovea.engine.paged.model_runner import ModelRunner
-    from fovea.engine.paged.scheduler import Scheduler
-    from fovea.engine.paged.sequence import Sequence
-    from fovea.engine.request import EngineRequest
-    from fovea.engine.sampling import SamplingParams
+    from fovea.engine.config import PagedEngineConfig
+    from fovea.engine.core.block_manager import BlockManager
+    from fovea.engine.core.request import EngineRequest
+    from fovea.engine.core.scheduler import Scheduler
+    from fovea.engine.core.sequence import Sequence
+    from fovea.engine.runner.model_runner import ModelRunner
+    from fovea.engine.sampling.params import SamplingParams
     from fovea.engine.vision.encoder_cache import EncoderCache
 
     config = PagedEngineConfig(num_blocks=64).resolved(demo_model.device, demo_model.context_length)

@@ -9,8 +9,8 @@ from scene_helpers import fresh_scene, run_all
 from test_paged_helpers import prompt_for, reference_tokens
 
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.paged.cuda_graphs import (
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.runner.cuda_graphs import (
     LADDER,
     DecodeBatch,
     GraphedDecode,
@@ -18,7 +18,7 @@ from fovea.engine.paged.cuda_graphs import (
     capture_sizes,
     pad_decode_batch,
 )
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 
 
 def test_capture_sizes_follow_the_ladder_up_to_max_num_seqs():

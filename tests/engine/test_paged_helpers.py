@@ -7,10 +7,10 @@ import threading
 
 import torch
 
-from fovea.engine.paged.sequence import Sequence
+from fovea.engine.core.request import EngineRequest
+from fovea.engine.core.sequence import Sequence
 from fovea.engine.reference import reference_generate
-from fovea.engine.request import EngineRequest
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.prompt import EncodedPrompt, ImageInput, encode_prompt, render_chat
 
 IMAGE = 4  # the demo model's image token id

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from fovea.engine.config import GPU_MODEL_MIN_PARAMETERS, PagedEngineConfig, SettingsError
 from fovea.engine.memory.plan import MemoryPlanError
-from fovea.engine.paged.config import GPU_MODEL_MIN_PARAMETERS, PagedEngineConfig, SettingsError
-from fovea.engine.paged.kv_cache import KVCache, KVShape
-from fovea.engine.paged.model_runner import ModelRunner
+from fovea.engine.model.kv_cache import KVCache, KVShape
+from fovea.engine.runner.model_runner import ModelRunner
 from fovea.engine.vision.encoder_cache import EncoderCache
 
 MiB, GiB = 2**20, 2**30

@@ -9,14 +9,14 @@ from scene_helpers import fresh_scene
 from test_paged_helpers import prompt_for
 
 from fovea.demo import scenes
-from fovea.engine.paged.block_manager import BlockManager
-from fovea.engine.paged.config import PagedEngineConfig
-from fovea.engine.paged.llama import PagedLlama, inverse_frequencies
-from fovea.engine.paged.model_runner import ModelRunner
-from fovea.engine.paged.scheduler import Scheduler
-from fovea.engine.paged.sequence import Sequence
-from fovea.engine.request import EngineRequest
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.config import PagedEngineConfig
+from fovea.engine.core.block_manager import BlockManager
+from fovea.engine.core.request import EngineRequest
+from fovea.engine.core.scheduler import Scheduler
+from fovea.engine.core.sequence import Sequence
+from fovea.engine.model.llama import PagedLlama, inverse_frequencies
+from fovea.engine.runner.model_runner import ModelRunner
+from fovea.engine.sampling.params import SamplingParams
 from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.errors import ModelLoadError
 from fovea.testing.tolerance import assert_close_to_model
@@ -60,7 +60,7 @@ def test_prompt_logits_equal_transformers(demo_model, runner, image_prompt):
     sched.add(seq)
     plan = sched.schedule()
     runner.embedder.fill([seq])
-    from fovea.engine.paged.attention import AttnMeta, PrefillSpan
+    from fovea.engine.model.attention import AttnMeta, PrefillSpan
 
     n = seq.prompt_len
     meta = AttnMeta(slot_mapping=torch.tensor(runner._slots(seq.block_table, 0, n)),

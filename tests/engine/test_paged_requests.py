@@ -9,10 +9,10 @@ from scene_helpers import collect, fresh_scene, run_all
 from test_paged_helpers import prompt_for
 
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.request import ErrorEvent, TokenEvent
 from fovea.engine.reference import reference_logits
-from fovea.engine.request import ErrorEvent, TokenEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
 from fovea.model.prompt import PlaceholderMismatch
 from fovea.testing.tolerance import assert_close_to_model
@@ -196,7 +196,7 @@ def test_image_rows_short_of_the_placeholders_fail_that_request_alone(demo_model
 
 
 def test_stop_answers_requests_still_in_flight(demo_model):
-    from fovea.engine.paged.engine import EngineStopped
+    from fovea.engine.engine import EngineStopped
 
     prompt = prompt_for(demo_model, scenes.render(fresh_scene(330)))
     engine = engine_for(demo_model)

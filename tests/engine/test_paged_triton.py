@@ -7,7 +7,7 @@ import torch
 from kernel_helpers import needs_triton
 
 from fovea.engine.kernels.cases import poison_past_context, random_decode_case
-from fovea.engine.paged.attention import paged_decode_torch
+from fovea.engine.model.attention import paged_decode_torch
 from fovea.testing.tolerance import assert_close_for, attention_path_len
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.request import ErrorEvent, FinishEvent, PromptScoring
 from fovea.engine.reference import reference_prompt_logprobs
-from fovea.engine.request import ErrorEvent, FinishEvent, PromptScoring
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.guard.canary import kl_divergence
 from fovea.guard.grounding import answer_dependence, answer_ids
 from fovea.model.loader import load_model

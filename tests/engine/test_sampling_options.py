@@ -12,10 +12,10 @@ from scene_helpers import fresh_scene
 from test_paged_helpers import prompt_for
 
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.request import FinishEvent, TokenEvent
 from fovea.engine.reference import reference_generate, reference_logits
-from fovea.engine.request import FinishEvent, TokenEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.loader import load_model
 from fovea.testing.random_llava import write_model_dir
 from fovea.testing.tolerance import assert_close_to_model

@@ -14,10 +14,10 @@ import torch
 import xgrammar as xgr
 from PIL import Image
 
-from fovea.engine.paged.config import PagedEngineConfig
-from fovea.engine.paged.engine import PagedEngine
-from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.config import PagedEngineConfig
+from fovea.engine.core.request import ErrorEvent, FinishEvent, TokenEvent
+from fovea.engine.engine import PagedEngine
+from fovea.engine.sampling.params import SamplingParams
 from fovea.engine.structured.bitmask import apply_grammar_masks_
 from fovea.engine.structured.compiler import Grammar, GrammarCompiler
 from fovea.engine.structured.matcher import GrammarState

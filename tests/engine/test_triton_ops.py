@@ -75,7 +75,7 @@ def test_silu_mul_and_gemv_match_torch():
 def test_the_startup_check_passes_and_names_a_broken_kernel(monkeypatch):
     """An engine runs this before trusting the kernels; a wrong kernel sends it to the torch path."""
     from fovea.engine.kernels import triton_ops
-    from fovea.engine.paged.kernel_selfcheck import triton_self_check
+    from fovea.engine.runner.kernel_selfcheck import triton_self_check
 
     assert triton_self_check(DEVICE, torch.float32) is None
     monkeypatch.setattr(triton_ops, "silu_mul", lambda gate_up: torch.zeros_like(gate_up[:, : gate_up.shape[1] // 2]))

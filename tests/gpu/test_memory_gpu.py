@@ -10,8 +10,8 @@ import torch
 from scene_helpers import collect, fresh_scene
 
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.loader import load_model
 from fovea.model.prompt import encode_prompt, render_chat
 

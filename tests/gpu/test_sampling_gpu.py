@@ -14,12 +14,12 @@ import torch
 from scene_helpers import fresh_scene
 
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.paged import engine as engine_module
-from fovea.engine.paged import logprobs as logprobs_module
-from fovea.engine.paged.in_flight import InFlight
-from fovea.engine.request import FinishEvent, TokenEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine import engine as engine_module
+from fovea.engine.core.in_flight import InFlight
+from fovea.engine.core.request import FinishEvent, TokenEvent
+from fovea.engine.sampling import logprobs as logprobs_module
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.loader import load_model
 from fovea.model.prompt import encode_prompt, render_chat
 

@@ -9,7 +9,7 @@ import pytest
 from scene_helpers import free_port, start_server, stop_server
 
 from fovea.config import ServerSettings
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.guard.canary import Canary
 from fovea.guard.canary_fit import (
     ANSWER_TOKENS,

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from fovea.engine import reference
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig, reference
 from fovea.guard.checks import Status
 from fovea.guard.doctor import reference_check
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.errors import ModelLoadError
 from fovea.guard.canary import Canary
 from fovea.model.contract import ContractError, check_contract

@@ -59,8 +59,8 @@ def test_a_large_scene_is_answered_like_the_small_one(demo_model):
     from scene_helpers import fresh_scene, run_all
 
     from fovea.demo import scenes
-    from fovea.engine.paged import PagedEngine, PagedEngineConfig
-    from fovea.engine.sampling import SamplingParams
+    from fovea.engine import PagedEngine, PagedEngineConfig
+    from fovea.engine.sampling.params import SamplingParams
     from fovea.model.prompt import encode_prompt, render_chat
 
     scene = fresh_scene(5150)

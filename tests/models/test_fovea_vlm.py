@@ -19,9 +19,9 @@ from scene_helpers import data_url, free_port, start_server, stop_server
 from test_qwen2_5_vl import noise, run
 
 from fovea.config import ServerSettings
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.reference import reference_generate, reference_logits
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import ModelLoadError
 from fovea.model.contract import ContractError, check_contract
 from fovea.model.loader import load_model

@@ -21,9 +21,9 @@ from test_qwen2_5_vl import noise, run
 from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
 from fovea.config import ServerSettings
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.reference import reference_generate, reference_logits
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import ModelLoadError
 from fovea.model.contract import ContractError, check_contract
 from fovea.model.loader import load_model
@@ -309,7 +309,7 @@ def test_a_mistral_sliding_window_shorter_than_the_context_is_refused(llnext_mis
     import copy
     import dataclasses
 
-    from fovea.engine.paged.llama import PagedLlama
+    from fovea.engine.model.llama import PagedLlama
 
     spec = llnext_mistral.adapter.lm_spec(llnext_mistral.model)
     windowed = copy.deepcopy(spec.config)

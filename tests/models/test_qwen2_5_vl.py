@@ -18,11 +18,11 @@ from PIL import Image
 from scene_helpers import data_url, free_port, start_server, stop_server
 
 from fovea.config import ServerSettings
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.paged.model_runner import chunk_positions
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.reference import reference_generate, reference_logits
-from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.runner.model_runner import chunk_positions
+from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import InvalidRequest
 from fovea.model.contract import check_contract
 from fovea.model.loader import load_model

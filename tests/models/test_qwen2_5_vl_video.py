@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from test_qwen2_5_vl import GREEDY, noise, run
 
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.reference import reference_generate, reference_logits
 from fovea.media import MediaConfig
 from fovea.media.video import DecodedVideo, decode_video_bytes

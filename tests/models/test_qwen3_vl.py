@@ -20,10 +20,10 @@ from transformers import Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
 from fovea.config import ServerSettings
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
-from fovea.engine.paged.llama import PagedLlama
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.model.llama import PagedLlama
 from fovea.engine.reference import reference_generate, reference_logits
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.contract import check_contract
 from fovea.model.loader import load_model
 from fovea.model.prompt import encode_prompt, render_chat
@@ -211,8 +211,8 @@ def test_the_canary_runs_on_this_family(qwen3):
 def test_the_fused_forward_runs_qwen3_norms_mrope_and_deepstack(qwen3):
     """The CUDA configuration (fused weights, Triton norm/rotary kernels) against the torch one on a
     prefill with interleaved M-RoPE rows and DeepStack rows, then a decode step."""
-    from fovea.engine.paged.attention import AttnMeta, PrefillSpan, attention_backend
-    from fovea.engine.paged.kv_cache import KVCache
+    from fovea.engine.model.attention import AttnMeta, PrefillSpan, attention_backend
+    from fovea.engine.model.kv_cache import KVCache
 
     prompt = chat(qwen3, [noise(64, 90, 60)])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else the interpreter

@@ -21,9 +21,9 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.video_utils import VideoMetadata
 
 from fovea.config import ServerSettings
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.reference import reference_generate, reference_logits
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.media import MediaConfig
 from fovea.media.video import DecodedVideo, decode_video_bytes
 from fovea.model.loader import load_model

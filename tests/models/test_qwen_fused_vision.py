@@ -10,10 +10,10 @@ import random
 import pytest
 from PIL import Image
 
-from fovea.engine.paged import PagedEngine, PagedEngineConfig
+from fovea.engine import PagedEngine, PagedEngineConfig
+from fovea.engine.core.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.reference import reference_generate
-from fovea.engine.request import ErrorEvent, FinishEvent, TokenEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.engine.vision.qwen_vision_fused import QwenFusedVision
 from fovea.model.loader import load_model
 from fovea.model.prompt import encode_prompt, render_chat

@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from fovea.engine.request import TokenLogprob
+from fovea.engine.core.request import TokenLogprob
 from fovea.serve.logprobs_format import LogprobFormatter
 
 

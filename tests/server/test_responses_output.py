@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from fovea.engine.request import FinishEvent, TokenEvent, TokenLogprob
+from fovea.engine.core.request import FinishEvent, TokenEvent, TokenLogprob
 from fovea.serve.logprobs_format import LogprobFormatter
 from fovea.serve.responses_output import ResponseOutput
 

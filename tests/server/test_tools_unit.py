@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fovea.engine.request import FinishEvent
+from fovea.engine.core.request import FinishEvent
 from fovea.serve.tool_chunks import ToolFormat
 from fovea.serve.tool_stream import ToolCallIncomplete
 from fovea.serve.tools import ToolsNotSupported, check_template, parse_tool_calls

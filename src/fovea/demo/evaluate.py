@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from fovea.config import ServerSettings, engine_config
 from fovea.demo import scenes
-from fovea.engine.paged import PagedEngine
-from fovea.engine.request import FinishEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine import PagedEngine
+from fovea.engine.core.request import FinishEvent
+from fovea.engine.sampling.params import SamplingParams
 from fovea.model.loader import LoadedModel, load_model
 from fovea.model.prompt import encode_prompt, render_chat
 from fovea.progress import progress

@@ -51,7 +51,7 @@ def serve(path: str, authkey: bytes, model_dir: str | None, device: str, dtype: 
     import torch
 
     from fovea.disagg.encode_worker import EncodeService
-    from fovea.engine.paged.config import VISION_BATCH
+    from fovea.engine.config import VISION_BATCH
     from fovea.model.loader import default_model_dir
 
     torch.set_num_threads(1)
@@ -80,7 +80,7 @@ def _exit_on_signal(signum: int, frame) -> None:
 def _fused(switch: bool | None, model_dir: str, device: str) -> bool:
     if switch is not None:
         return switch
-    from fovea.engine.paged.config import GPU_MODEL_MIN_PARAMETERS
+    from fovea.engine.config import GPU_MODEL_MIN_PARAMETERS
     from fovea.guard.memory import read_safetensors_header, safetensors_files
     from fovea.model.loader import resolve_device
 

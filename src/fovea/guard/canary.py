@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fovea.engine.paged.engine import PagedEngine
-from fovea.engine.request import ErrorEvent, FinishEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.core.request import ErrorEvent, FinishEvent
+from fovea.engine.engine import PagedEngine
+from fovea.engine.sampling.params import SamplingParams
 from fovea.guard.canary_fit import ANSWER_TOKENS
 
 # The drawings live beside the contract's probe image (no torch there: start-up checks use them).

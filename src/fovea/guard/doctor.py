@@ -29,7 +29,7 @@ def model_dir_check(path: Path) -> Check:
 def memory_plan_check(loaded, engine_config, report: dict | None) -> list[Check]:
     """Plan the memory as `fovea serve` would (on a GPU: profile, size the KV cache), check the
     engine against transformers' reference on a probe image, then let go."""
-    from fovea.engine.paged import PagedEngine
+    from fovea.engine import PagedEngine
 
     try:
         engine = PagedEngine(loaded, engine_config)
@@ -52,7 +52,7 @@ def memory_plan_check(loaded, engine_config, report: dict | None) -> list[Check]
 def encoder_plan_check(path: Path, device: str, dtype: str) -> Check:
     """What an encode worker (`--topology e_pd`) would load and hold on this device."""
     from fovea.disagg.encode_worker import EncodeService
-    from fovea.engine.paged.config import GPU_MODEL_MIN_PARAMETERS, VISION_BATCH
+    from fovea.engine.config import GPU_MODEL_MIN_PARAMETERS, VISION_BATCH
     from fovea.guard.memory import estimate_weight_bytes
     from fovea.model.loader import resolve_device
 
@@ -71,9 +71,9 @@ def encoder_plan_check(path: Path, device: str, dtype: str) -> Check:
 
 def reference_check(loaded, engine) -> Check:
     """The engine's first-token log-probabilities on a probe image against transformers' own forward."""
+    from fovea.engine.core.request import ErrorEvent, FinishEvent
     from fovea.engine.reference import reference_logits
-    from fovea.engine.request import ErrorEvent, FinishEvent
-    from fovea.engine.sampling import SamplingParams
+    from fovea.engine.sampling.params import SamplingParams
     from fovea.guard.probe_images import probe_image
     from fovea.model.contract import probe_chat
 

@@ -20,8 +20,8 @@ import asyncio
 
 import torch
 
-from fovea.engine.request import ErrorEvent, FinishEvent, PromptScoring
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.core.request import ErrorEvent, FinishEvent, PromptScoring
+from fovea.engine.sampling.params import SamplingParams
 from fovea.guard.canary import kl_divergence
 from fovea.model.loader import LoadedModel
 from fovea.models.base import EncodedPrompt, with_text_tokens

@@ -10,7 +10,7 @@ and nothing else. An adapter owns:
   placeholder expanded into that image's own token count (``ImageInput.num_tokens``);
 - the vision forward over a batch of images;
 - position ids: 1-D, or M-RoPE's three rows;
-- the language model's execution on the paged cache (``engine.paged.llama.PagedLlama``,
+- the language model's execution on the paged cache (``engine.model.llama.PagedLlama``,
   configured by ``lm_spec``).
 
 Adding a family is a file in ``fovea/models`` and a line in the registry (``__init__``).

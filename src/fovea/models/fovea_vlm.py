@@ -76,7 +76,7 @@ from fovea.models.base import (
 from fovea.models.llava import NORMALISATION_FIELDS, RECIPE_FIELDS, LlavaCodec, stacked
 
 MODEL_TYPE = "fovea_vlm"
-# The text model types the paged engine runs (engine.paged.llama.LLAMA_STYLE) that transformers
+# The text model types the paged engine runs (engine.model.llama.LLAMA_STYLE) that transformers
 # builds as a plain causal LM.
 TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
 STRATEGIES = ("default", "full")

@@ -10,8 +10,9 @@ from fastapi import FastAPI
 
 from fovea import __version__
 from fovea.config import ServerSettings, engine_config
+from fovea.engine import PagedEngine
 from fovea.engine.memory.plan import check_weights_fit
-from fovea.engine.paged import PagedEngine, kernel_selfcheck
+from fovea.engine.runner import kernel_selfcheck
 from fovea.guard.canary_fit import ANSWER_TOKENS, PROBE_SIZE, CanaryFit
 from fovea.guard.memory import estimate_weight_bytes
 from fovea.logs import RequestIdMiddleware

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from fastapi.responses import JSONResponse, Response
 
-from fovea.engine.request import ErrorEvent, Event, FinishEvent, PromptScoring, Submission
+from fovea.engine.core.request import ErrorEvent, Event, FinishEvent, PromptScoring, Submission
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch
 from fovea.serve import protocol

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fovea.engine.request import (
+from fovea.engine.core.request import (
     ErrorEvent,
     FinishEvent,
     PromptScoring,
@@ -19,7 +19,7 @@ from fovea.engine.request import (
     TokenLogprob,
     default_max_tokens,
 )
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.sampling.params import SamplingParams
 from fovea.engine.structured.spec import GrammarSpec
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.guard.canary import KL_FLOOR

@@ -18,7 +18,7 @@ import functools
 import re
 from typing import Any
 
-from fovea.engine.request import TokenLogprob
+from fovea.engine.core.request import TokenLogprob
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

@@ -17,8 +17,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from fovea.engine.request import PromptScoring
-from fovea.engine.sampling import MAX_LOGPROBS
+from fovea.engine.core.request import PromptScoring
+from fovea.engine.sampling.params import MAX_LOGPROBS
 from fovea.errors import InvalidRequest
 from fovea.serve import fields
 

@@ -19,8 +19,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from fovea.engine.request import ErrorEvent, FinishEvent, Submission, TokenEvent
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.core.request import ErrorEvent, FinishEvent, Submission, TokenEvent
+from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.media.errors import ImageNotFound
 from fovea.media.store import is_image_id

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fovea.engine.sampling import MAX_LOGPROBS
+from fovea.engine.sampling.params import MAX_LOGPROBS
 from fovea.errors import InvalidRequest
 from fovea.serve import responses_fields
 from fovea.serve.fields import UnsupportedParameter

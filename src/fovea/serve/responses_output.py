@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fovea.engine.request import FinishEvent, TokenEvent, TokenLogprob
+from fovea.engine.core.request import FinishEvent, TokenEvent, TokenLogprob
 from fovea.serve.logprobs_format import LogprobFormatter
 from fovea.serve.responses_api import function_call_item, message_item, new_id, output_text
 from fovea.serve.tool_stream import CallEvent, CallStream

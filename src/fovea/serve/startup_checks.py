@@ -19,7 +19,7 @@ from fovea.errors import FoveaError
 from fovea.guard.canary_fit import PROBE_SIZE, CanaryFit, CanaryTooLong, fit_canary, media_refusal
 
 if TYPE_CHECKING:
-    from fovea.engine.paged.engine import PagedEngine
+    from fovea.engine.engine import PagedEngine
     from fovea.model.loader import LoadedModel
 
 

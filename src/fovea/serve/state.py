@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fovea.config import ServerSettings
-from fovea.engine.paged.engine import PagedEngine
+from fovea.engine.engine import PagedEngine
 from fovea.guard.canary import Canary
 from fovea.media import ImageStore, MediaResolver
 from fovea.model.contract import ModelContract

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fovea.engine.request import FinishEvent
+from fovea.engine.core.request import FinishEvent
 from fovea.serve import protocol
 from fovea.serve.generation import Format
 from fovea.serve.tool_stream import CallEvent, CallStream

@@ -1,13 +1,13 @@
 """Case builders and torch references for checking fovea's Triton kernels.
 
 Used by the kernels' tests, by ``bench/kernels_check.py`` (``--check``, ``--bench``) and by the
-engine's start-up self-check (``fovea.engine.paged.kernel_selfcheck``). The kernel modules
+engine's start-up self-check (``fovea.engine.runner.kernel_selfcheck``). The kernel modules
 themselves hold only the kernels and what the engine runs. The fused vision stage's random-weight
 models (``random_llava``, ``tiny_vision``, ``llava15_vision``) are test fixtures: they live in
 ``fovea.testing.kernel_cases``.
 
 - paged decode (``triton_decode.paged_decode``): ``random_decode_case``, ``poison_past_context``;
-  the reference is ``fovea.engine.paged.attention.paged_decode_torch`` (the engine's torch path);
+  the reference is ``fovea.engine.model.attention.paged_decode_torch`` (the engine's torch path);
 - paged prefill (``triton_prefill.paged_prefill``): ``random_prefill_case``, ``random_spans``,
   ``prefill_torch_reference``;
 - fused Llama ops (``triton_ops``): ``rms_norm_reference``, ``rope_reference``.

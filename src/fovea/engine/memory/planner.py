@@ -46,13 +46,13 @@ from fovea.engine.memory.plan import (
 )
 from fovea.engine.memory.profile import CudaMeter, measure, tensor_bytes
 from fovea.engine.memory.tuning_cache import TuningCache
-from fovea.engine.paged.kv_cache import KVCache, KVShape
-from fovea.engine.paged.logits_processors import penalise, penalty_slots, token_counts_bytes
+from fovea.engine.model.kv_cache import KVCache, KVShape
+from fovea.engine.sampling.logits_processors import penalise, penalty_slots, token_counts_bytes
 from fovea.startup_clock import STARTUP
 
 if TYPE_CHECKING:
-    from fovea.engine.paged.config import PagedEngineConfig
-    from fovea.engine.paged.llama import PagedLlama
+    from fovea.engine.config import PagedEngineConfig
+    from fovea.engine.model.llama import PagedLlama
     from fovea.model.loader import LoadedModel
 
 log = logging.getLogger("fovea.engine.paged")
@@ -273,7 +273,7 @@ class Planner:
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """What sampling a step holds: every row penalised, greedy rows, a few drawn with
         temperature and top-p, and every row's log-probabilities (as for requests that asked)."""
-        from fovea.engine.sampling import SamplingParams, sample_next_on_device
+        from fovea.engine.sampling.params import SamplingParams, sample_next_on_device
 
         generator = torch.Generator(device=logits.device).manual_seed(0)
         # Every row penalised, as if all asked for penalties: the gathered counts and the

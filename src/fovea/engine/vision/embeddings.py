@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
-from fovea.engine.paged.llama import PagedLlama
-from fovea.engine.paged.sequence import Sequence
-from fovea.engine.paged.staging import to_device
+from fovea.engine.core.sequence import Sequence
+from fovea.engine.model.llama import PagedLlama
+from fovea.engine.runner.staging import to_device
 from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.engine.vision.image_encoder import ImageEncoder, check_image_row_count
 from fovea.model.loader import LoadedModel

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from fovea.engine.paged.cuda_graphs import bucket_for, capture_sizes
+from fovea.engine.runner.cuda_graphs import bucket_for, capture_sizes
 from fovea.model.loader import LoadedModel
 from fovea.model.vision import encode_images, vision_modules
 

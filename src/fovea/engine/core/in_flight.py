@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.engine.paged.logprobs import StepLogprobs
-from fovea.engine.paged.scheduler import StepPlan
-from fovea.engine.paged.sequence import Sequence
+from fovea.engine.core.scheduler import StepPlan
+from fovea.engine.core.sequence import Sequence
+from fovea.engine.sampling.logprobs import StepLogprobs
 
 
 @dataclass(slots=True)

@@ -18,16 +18,10 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from fovea.engine.paged import logprobs as token_logprobs
-from fovea.engine.paged.block_manager import BlockManager
-from fovea.engine.paged.config import PagedEngineConfig
-from fovea.engine.paged.in_flight import InFlight
-from fovea.engine.paged.logits_processors import TokenCounts, penalty_slots
-from fovea.engine.paged.model_runner import ModelRunner
-from fovea.engine.paged.sampler import sample_on_device
-from fovea.engine.paged.scheduler import Scheduler, StepPlan
-from fovea.engine.paged.sequence import SeqStatus, Sequence
-from fovea.engine.request import (
+from fovea.engine.config import PagedEngineConfig
+from fovea.engine.core.block_manager import BlockManager
+from fovea.engine.core.in_flight import InFlight
+from fovea.engine.core.request import (
     EngineRequest,
     ErrorEvent,
     Event,
@@ -37,7 +31,13 @@ from fovea.engine.request import (
     check_token_ids,
     overloaded,
 )
-from fovea.engine.sampling import SamplingParams
+from fovea.engine.core.scheduler import Scheduler, StepPlan
+from fovea.engine.core.sequence import SeqStatus, Sequence
+from fovea.engine.runner.model_runner import ModelRunner
+from fovea.engine.sampling import logprobs as token_logprobs
+from fovea.engine.sampling.logits_processors import TokenCounts, penalty_slots
+from fovea.engine.sampling.params import SamplingParams
+from fovea.engine.sampling.sampler import sample_on_device
 from fovea.engine.structured.spec import StructuredOutputError
 from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.engine.vision.image_encoder import start_worker

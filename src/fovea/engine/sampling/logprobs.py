@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.engine.paged.sequence import Sequence
-from fovea.engine.paged.staging import to_device
-from fovea.engine.request import TokenLogprob
+from fovea.engine.core.request import TokenLogprob
+from fovea.engine.core.sequence import Sequence
+from fovea.engine.runner.staging import to_device
 
 
 @dataclass(slots=True)

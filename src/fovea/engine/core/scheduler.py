@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fovea.engine.paged.block_manager import BlockManager
-from fovea.engine.paged.sequence import SeqStatus, Sequence
+from fovea.engine.core.block_manager import BlockManager
+from fovea.engine.core.sequence import SeqStatus, Sequence
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.engine.request import PromptScoring, TokenLogprob
+from fovea.engine.core.request import PromptScoring, TokenLogprob
 
 
 class PromptScores:

@@ -12,23 +12,23 @@ from collections.abc import Callable
 
 import torch
 
+from fovea.engine.config import PagedEngineConfig
+from fovea.engine.core.scheduler import Chunk, StepPlan
+from fovea.engine.core.sequence import Sequence
 from fovea.engine.kernels import triton_util
 from fovea.engine.memory.planner import Planner
-from fovea.engine.paged.attention import (
+from fovea.engine.model.attention import (
     AttnMeta,
     PrefillBatch,
     PrefillSpan,
     attention_backend,
 )
-from fovea.engine.paged.config import PagedEngineConfig
-from fovea.engine.paged.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
-from fovea.engine.paged.kernel_selfcheck import self_check
-from fovea.engine.paged.kv_cache import KVCache, KVPlan
-from fovea.engine.paged.llama import PagedLlama
-from fovea.engine.paged.prompt_scores import PromptScores, score_step
-from fovea.engine.paged.scheduler import Chunk, StepPlan
-from fovea.engine.paged.sequence import Sequence
-from fovea.engine.paged.staging import resolve_pending, to_device
+from fovea.engine.model.kv_cache import KVCache, KVPlan
+from fovea.engine.model.llama import PagedLlama
+from fovea.engine.runner.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
+from fovea.engine.runner.kernel_selfcheck import self_check
+from fovea.engine.runner.staging import resolve_pending, to_device
+from fovea.engine.sampling.prompt_scores import PromptScores, score_step
 from fovea.engine.vision.embeddings import PromptEmbedder
 from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.engine.vision.vision_graphs import try_graphed_vision

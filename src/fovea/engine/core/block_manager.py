@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from fovea.engine.paged.sequence import Sequence
+from fovea.engine.core.sequence import Sequence
 
 
 def block_hash(prev: bytes | None, token_ids: list[int], extra: tuple[str, ...]) -> bytes:

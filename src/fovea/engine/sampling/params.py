@@ -1,8 +1,8 @@
 """Sampling parameters and next-token selection (greedy, temperature, top-k, top-p, min-p, seeded).
 
 Penalties, logit bias and stop-token masks are applied to a step's rows together before this
-(``engine/paged/logits_processors.py``); log-probabilities are taken from the raw logits
-(``engine/paged/logprobs.py``).
+(``engine/sampling/logits_processors.py``); log-probabilities are taken from the raw logits
+(``engine/sampling/logprobs.py``).
 """
 
 from __future__ import annotations

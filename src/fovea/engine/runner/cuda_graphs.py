@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.engine.paged.staging import resolve_pending, to_device
+from fovea.engine.runner.staging import resolve_pending, to_device
 
 log = logging.getLogger("fovea.engine.paged")
 

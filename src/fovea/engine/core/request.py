@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from fovea.engine.sampling import MAX_LOGPROBS, SamplingParams
+from fovea.engine.sampling.params import MAX_LOGPROBS, SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
 from fovea.model.prompt import EncodedPrompt
 
@@ -23,7 +23,7 @@ from fovea.model.prompt import EncodedPrompt
 @dataclass(slots=True)
 class TokenLogprob:
     """One generated token's log-probability and the most likely tokens at its position (the
-    model's raw distribution: ``engine/paged/logprobs.py``)."""
+    model's raw distribution: ``engine/sampling/logprobs.py``)."""
 
     token_id: int
     logprob: float
@@ -34,7 +34,7 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class PromptScoring:
     """What a request asks the engine to score of its own prompt, teacher-forced from its prefill
-    (``engine/paged/prompt_scores.py``); the answers come in its ``FinishEvent``.
+    (``engine/sampling/prompt_scores.py``); the answers come in its ``FinishEvent``.
 
     ``top``: vLLM's ``prompt_logprobs``: for every prompt token but the first, its log-probability
     and rank under the distribution at the position before it, and that distribution's ``top``

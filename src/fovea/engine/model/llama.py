@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from fovea.engine.kernels import triton_ops
+from fovea.engine.model.attention import AttentionBackend, AttnMeta, attention, write_kv
+from fovea.engine.model.kv_cache import KVCache, KVShape
 from fovea.engine.model.weights import fuse_rows
-from fovea.engine.paged.attention import AttentionBackend, AttnMeta, attention, write_kv
-from fovea.engine.paged.kv_cache import KVCache, KVShape
 from fovea.errors import ModelLoadError
 from fovea.models.base import LanguageModelSpec
 

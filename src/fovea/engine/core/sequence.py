@@ -7,11 +7,11 @@ import time
 
 import torch
 
-from fovea.engine.detokenize import IncrementalDetokenizer
-from fovea.engine.paged.prompt_scores import PromptScores
-from fovea.engine.paged.staging import pending_token
-from fovea.engine.request import EngineRequest, FinishEvent, TokenEvent, TokenLogprob
-from fovea.engine.sampling import make_generator
+from fovea.engine.core.detokenize import IncrementalDetokenizer
+from fovea.engine.core.request import EngineRequest, FinishEvent, TokenEvent, TokenLogprob
+from fovea.engine.runner.staging import pending_token
+from fovea.engine.sampling.params import make_generator
+from fovea.engine.sampling.prompt_scores import PromptScores
 
 
 def start_grammar(grammar):

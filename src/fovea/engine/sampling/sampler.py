@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from fovea.engine.paged import logits_processors
-from fovea.engine.paged.logits_processors import TokenCounts
-from fovea.engine.paged.sequence import Sequence
-from fovea.engine.paged.staging import to_device
-from fovea.engine.sampling import sample_next_on_device
+from fovea.engine.core.sequence import Sequence
+from fovea.engine.runner.staging import to_device
+from fovea.engine.sampling import logits_processors
+from fovea.engine.sampling.logits_processors import TokenCounts
+from fovea.engine.sampling.params import sample_next_on_device
 
 
 def block_eos_(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> None:

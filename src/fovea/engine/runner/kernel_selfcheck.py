@@ -25,7 +25,7 @@ from fovea.engine.kernels.cases import (
     rms_norm_reference,
     rope_reference,
 )
-from fovea.engine.paged.attention import paged_decode_torch
+from fovea.engine.model.attention import paged_decode_torch
 
 
 def ops_problem(device: torch.device, dtype: torch.dtype) -> str | None:
