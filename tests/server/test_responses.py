@@ -10,7 +10,7 @@ import pytest
 from scene_helpers import data_url, fresh_scene, one_image_row_short
 
 from fovea.demo import scenes
-from fovea.serve.responses_store import ResponseNotFound, ResponseStore, TooLargeToStore
+from fovea.serve.responses.store import ResponseNotFound, ResponseStore, TooLargeToStore
 
 SCENE = fresh_scene(5200, min_shapes=2)
 URL = data_url(scenes.render(SCENE))

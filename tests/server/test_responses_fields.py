@@ -1,4 +1,4 @@
-"""Every field of the /v1/responses schema (serve/responses_fields.py), sent with a value that is not
+"""Every field of the /v1/responses schema (serve/responses/fields.py), sent with a value that is not
 its default: honoured fields are shown to take effect, the others are refused with 400
 ``unsupported_parameter`` naming the field (or, for no-op fields, accepted at their no-op value)."""
 
@@ -14,7 +14,7 @@ from openai.types.responses import response_create_params
 from scene_helpers import data_url, fresh_scene
 
 from fovea.demo import scenes
-from fovea.serve import responses_fields as rf
+from fovea.serve.responses import fields as rf
 from fovea.testing.tolerance import api_logprobs_atol
 
 SCENE = fresh_scene(5000, min_shapes=2)
@@ -380,4 +380,4 @@ def test_aiperf_stream_options_are_accepted(post):
 def test_docs_list_every_field():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     block = f"<!-- fields:{rf.RESPONSES} -->\n{rf.markdown_table()}\n<!-- /fields:{rf.RESPONSES} -->"
-    assert block in doc, "docs/api.md is out of date: python -m fovea.serve.responses_fields prints the table"
+    assert block in doc, "docs/api.md is out of date: python -m fovea.serve.responses.fields prints the table"

@@ -1,4 +1,4 @@
-"""The Responses output builder (serve/responses_output.py) on made-up token streams: where text
+"""The Responses output builder (serve/responses/output.py) on made-up token streams: where text
 ends and calls begin, the items' order and indexes, and which tokens' log-probabilities the text
 carries."""
 
@@ -8,7 +8,7 @@ import json
 
 from fovea.engine.core.request import FinishEvent, TokenEvent, TokenLogprob
 from fovea.serve.logprobs_format import LogprobFormatter
-from fovea.serve.responses_output import ResponseOutput
+from fovea.serve.responses.output import ResponseOutput
 
 CALL = '<tool_call>\n{"name": "flip", "arguments": {"heads": true}}\n</tool_call>'
 

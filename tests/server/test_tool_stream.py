@@ -1,4 +1,4 @@
-"""serve/tool_stream.py on hand-written answers: every split of the text gives the same calls, the
+"""serve/tools/stream.py on hand-written answers: every split of the text gives the same calls, the
 streamed pieces join to the final parse's arguments, and a block that turns out to be no call
 never leaves a wrong one behind."""
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fovea.serve.tool_stream import CallStream, ToolCallIncomplete
-from fovea.serve.tools import parse_block, parse_tool_calls
+from fovea.serve.tools.calls import parse_block, parse_tool_calls
+from fovea.serve.tools.stream import CallStream, ToolCallIncomplete
 
 TRICKY = ('Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "ro}me", '
           '"note": "a \\"}\\" {x} </tool_call \\\\", "n": [1, {"b": 2}], "ok": true}}\n</tool_call>')

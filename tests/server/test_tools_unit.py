@@ -1,4 +1,4 @@
-"""serve/tools.py without a server: parsing calls, holding streamed text back, template checks."""
+"""serve/tools/calls.py without a server: parsing calls, holding streamed text back, template checks."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from fovea.engine.core.request import FinishEvent
-from fovea.serve.tool_chunks import ToolFormat
-from fovea.serve.tool_stream import ToolCallIncomplete
-from fovea.serve.tools import ToolsNotSupported, check_template, parse_tool_calls
+from fovea.serve.tools.calls import ToolsNotSupported, check_template, parse_tool_calls
+from fovea.serve.tools.chunks import ToolFormat
+from fovea.serve.tools.stream import ToolCallIncomplete
 from fovea.testing import random_qwen2_5_vl
 from fovea.testing.byte_level_model import TOOLS_TEMPLATE
 
@@ -83,7 +83,7 @@ def test_strict_tools_hold_every_auto_call_to_its_schema():
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
     from fovea.errors import InvalidRequest
-    from fovea.serve.tools import ToolRequest, call_grammar, function_spec
+    from fovea.serve.tools.calls import ToolRequest, call_grammar, function_spec
 
     days = {"type": "object", "properties": {"days": {"type": "integer"}}, "required": ["days"],
             "additionalProperties": False}

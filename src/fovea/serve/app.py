@@ -28,7 +28,7 @@ from fovea.serve.metrics import Metrics
 from fovea.serve.operations_routes import make_operations_router
 from fovea.serve.playground_route import make_playground_router
 from fovea.serve.request_gate import RequestGate
-from fovea.serve.responses import make_responses_router
+from fovea.serve.responses.routes import make_responses_router
 from fovea.serve.startup_checks import QuietStartupRefusal, fit_canary_to_engine
 from fovea.serve.state import ServerState
 from fovea.serve.tokenize import make_tokenize_router

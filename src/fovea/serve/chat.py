@@ -15,14 +15,14 @@ from fovea.serve.generation import respond
 from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, VideoURLPart
 from fovea.serve.state import ServerState
 from fovea.serve.structured import refuse_with_tools, requested_grammar
-from fovea.serve.tool_chunks import ToolFormat
-from fovea.serve.tools import (
+from fovea.serve.tools.calls import (
     ToolRequest,
     call_grammar,
     check_template,
     template_call,
     tool_request,
 )
+from fovea.serve.tools.chunks import ToolFormat
 
 
 class TooManyImages(FoveaError):

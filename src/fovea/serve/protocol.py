@@ -212,7 +212,7 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    # Tools (checked by serve/tools.py); functions/function_call are their deprecated shape.
+    # Tools (checked by serve/tools/calls.py); functions/function_call are their deprecated shape.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

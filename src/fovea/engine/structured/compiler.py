@@ -132,7 +132,7 @@ class GrammarCompiler:
             return self._xgr.compile_regex(spec.source)
         if spec.kind == "choice":
             return self._xgr.compile_regex(choice_regex(json.loads(spec.source)))
-        if spec.kind == "structural_tag":  # tool calls (serve/tools.py)
+        if spec.kind == "structural_tag":  # tool calls (serve/tools/calls.py)
             return self._xgr.compile_structural_tag(spec.source)
         return self._xgr.compile_grammar(spec.source)
 

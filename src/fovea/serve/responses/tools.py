@@ -1,6 +1,6 @@
 """Function tools on /v1/responses, in the Responses API's shapes over chat's machinery.
 
-The tools are chat's (serve/tools.py): the same template check (400 ``tools_not_supported``),
+The tools are chat's (serve/tools/calls.py): the same template check (400 ``tools_not_supported``),
 the same ``<tool_call>`` parsing and the same grammar for ``required`` and a named function.
 Only the shapes differ: a tool is flat (``{"type": "function", "name", "parameters", ...}``),
 a named choice is ``{"type": "function", "name"}``, an earlier call comes back as a
@@ -14,9 +14,9 @@ from typing import Any
 
 from fovea.errors import InvalidRequest
 from fovea.serve.fields import UnsupportedParameter
-from fovea.serve.responses_api import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
-from fovea.serve.responses_store import Turn
-from fovea.serve.tools import ToolRequest, check_template, function_spec, resolve_tools
+from fovea.serve.responses.api import FunctionCallItem, FunctionCallOutputItem, ResponsesRequest
+from fovea.serve.responses.store import Turn
+from fovea.serve.tools.calls import ToolRequest, check_template, function_spec, resolve_tools
 
 # FunctionTool's keys beyond the function itself: accepted only at the value that changes nothing.
 _NEUTRAL = {"defer_loading": (False,), "allowed_callers": (["direct"],), "async": (False,), "output_schema": ()}

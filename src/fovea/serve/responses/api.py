@@ -11,9 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from fovea.engine.sampling.params import MAX_LOGPROBS
 from fovea.errors import InvalidRequest
-from fovea.serve import responses_fields
 from fovea.serve.fields import UnsupportedParameter
-from fovea.serve.responses_fields import LOGPROBS_INCLUDE
+from fovea.serve.responses import fields as responses_fields
+from fovea.serve.responses.fields import LOGPROBS_INCLUDE
 
 
 class _Strict(BaseModel):
@@ -62,7 +62,7 @@ class InputMessage(_OutputItem):
 
 
 class FunctionCallItem(_OutputItem):
-    """An earlier answer's function call sent back as input (serve/responses_tools.py renders it)."""
+    """An earlier answer's function call sent back as input (serve/responses/tools.py renders it)."""
 
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
@@ -98,10 +98,10 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    tools: list[Any] | None = None  # function tools (serve/responses_tools.py)
+    tools: list[Any] | None = None  # function tools (serve/responses/tools.py)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    include: list[str] | None = None  # only "message.output_text.logprobs" (responses_fields.py)
+    include: list[str] | None = None  # only "message.output_text.logprobs" (responses/fields.py)
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     text: dict[str, Any] | None = None  # {"format": ...}: structured outputs (serve/structured.py)
 

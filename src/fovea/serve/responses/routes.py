@@ -3,9 +3,9 @@
 The input becomes the same chat-template prompt and goes through the same image path as
 /v1/chat/completions (``load_image_bytes``: the sources, limits and error codes of chat's
 ``image_url`` parts); only the shapes around it differ. Function tools are chat's, in the
-Responses shapes (serve/responses_tools.py); the output items, log-probabilities included, are
-built as the tokens arrive (serve/responses_output.py). A response is kept only when asked
-(``store: true``), in a bounded store (serve/responses_store.py).
+Responses shapes (serve/responses/tools.py); the output items, log-probabilities included, are
+built as the tokens arrive (serve/responses/output.py). A response is kept only when asked
+(``store: true``), in a bounded store (serve/responses/store.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from fovea.serve.fields import UnsupportedParameter
 from fovea.serve.generation import failure, log_finish, sampling_params
 from fovea.serve.logprobs_format import LogprobFormatter
 from fovea.serve.protocol import SamplingFields
-from fovea.serve.responses_api import (
+from fovea.serve.responses.api import (
     EventWriter,
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -46,12 +46,12 @@ from fovea.serve.responses_api import (
     new_id,
     response_object,
 )
-from fovea.serve.responses_output import ResponseOutput
-from fovea.serve.responses_store import ResponseStore, Turn
-from fovea.serve.responses_tools import call_turn, check_tool_turns, output_turn, tool_request
+from fovea.serve.responses.output import ResponseOutput
+from fovea.serve.responses.store import ResponseStore, Turn
+from fovea.serve.responses.tools import call_turn, check_tool_turns, output_turn, tool_request
 from fovea.serve.state import ServerState
 from fovea.serve.structured import compile_spec, refuse_with_tools, text_format_grammar
-from fovea.serve.tools import call_grammar, template_call
+from fovea.serve.tools.calls import call_grammar, template_call
 
 log = logging.getLogger("fovea.request")
 

@@ -4,7 +4,7 @@ The same rules as ``serve/fields.py`` (and its ``Field`` class): each field is h
 accepted only where its value changes nothing, or refused with 400 ``unsupported_parameter``
 naming it; a field not in the table is refused the same way. The fields are those of the
 ``openai`` package's ``ResponseCreateParams``. ``docs/api.md``'s table is built from this one
-(``python -m fovea.serve.responses_fields`` prints it; a test checks the file matches).
+(``python -m fovea.serve.responses.fields`` prints it; a test checks the file matches).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ does not mention tools, or writes calls in another format, refuses tool requests
 named function is enforced by a grammar (an xgrammar structural tag over the calls' JSON
 schemas); ``"none"`` disables tools (they are not rendered). The deprecated ``functions`` /
 ``function_call`` are read as ``tools`` / ``tool_choice``. The Responses API runs the same
-checks, grammar, parsing and streamed-text holdback in its own shapes (serve/responses_tools.py).
-Streamed calls: serve/tool_stream.py (when their pieces go out), serve/tool_chunks.py (chat's chunks).
+checks, grammar, parsing and streamed-text holdback in its own shapes (serve/responses/tools.py).
+Streamed calls: serve/tools/stream.py (when their pieces go out), serve/tools/chunks.py (chat's chunks).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from fovea.engine.structured.spec import GrammarSpec
 from fovea.errors import FoveaError, InvalidRequest
-from fovea.serve.tool_json import CallScanner
+from fovea.serve.tools.scanner import CallScanner
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -4,7 +4,7 @@ A streamed and a non-streamed response run the same builder (the second drops th
 so both carry the same items. Without tools the answer's text is one ``message`` item. With
 tools the text is released up to the first ``<tool_call>`` (chat's ``CallHoldback``) into a
 ``message`` item that closes when the first call begins; each call is a ``function_call`` item
-whose arguments stream as serve/tool_stream.py says; the text between and after the calls, if
+whose arguments stream as serve/tools/stream.py says; the text between and after the calls, if
 any, is a second ``message`` at the end. A message exists only when it is not empty (or there
 are no calls). Log-probabilities, when asked, belong to the text they were released with; the
 tokens of the calls (and of text after them) carry none, as the calls are no ``output_text``.
@@ -16,11 +16,11 @@ from typing import Any
 
 from fovea.engine.core.request import FinishEvent, TokenEvent, TokenLogprob
 from fovea.serve.logprobs_format import LogprobFormatter
-from fovea.serve.responses_api import function_call_item, message_item, new_id, output_text
-from fovea.serve.tool_stream import CallEvent, CallStream
-from fovea.serve.tools import CallHoldback
+from fovea.serve.responses.api import function_call_item, message_item, new_id, output_text
+from fovea.serve.tools.calls import CallHoldback
+from fovea.serve.tools.stream import CallEvent, CallStream
 
-Event = tuple[str, dict[str, Any]]  # (type, fields), written by responses_api.EventWriter
+Event = tuple[str, dict[str, Any]]  # (type, fields), written by responses.api.EventWriter
 
 
 class ResponseOutput:

@@ -4,7 +4,7 @@ The scanner knows when the ``name`` string has closed and which characters belon
 ``arguments`` value (string and escape state and bracket depth tell where it ends), so the
 arguments can be streamed as the model writes them. It checks the object's shape, not all of
 JSON (a bad number passes): ``json.loads`` of the whole block stays the final word
-(serve/tools.py ``parse_tool_calls``). A repeated ``name`` or ``arguments`` key breaks it (JSON
+(serve/tools/calls.py ``parse_tool_calls``). A repeated ``name`` or ``arguments`` key breaks it (JSON
 would keep the last one, which streaming cannot know).
 """
 

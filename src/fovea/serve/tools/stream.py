@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fovea.errors import FoveaError
-from fovea.serve.tool_json import CallScanner
-from fovea.serve.tools import CALL_CLOSE, CALL_OPEN, new_call_id, parse_block, parse_tool_calls
+from fovea.serve.tools.calls import CALL_CLOSE, CALL_OPEN, new_call_id, parse_block, parse_tool_calls
+from fovea.serve.tools.scanner import CallScanner
 
 
 class ToolCallIncomplete(FoveaError):

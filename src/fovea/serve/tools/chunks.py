@@ -2,7 +2,7 @@
 
 A call's first chunk carries ``{index, id, type: "function", function: {name, arguments: ""}}``
 and the next ones ``{index, function: {arguments: <piece>}}``, as OpenAI's and vLLM's streams
-do (serve/tool_stream.py says when the pieces go out). Streamed text is released up to the
+do (serve/tools/stream.py says when the pieces go out). Streamed text is released up to the
 first ``<tool_call>``; the text between and after calls is sent at the end, as the non-streamed
 ``content`` has it.
 """
@@ -14,8 +14,8 @@ from typing import Any
 from fovea.engine.core.request import FinishEvent
 from fovea.serve import protocol
 from fovea.serve.generation import Format
-from fovea.serve.tool_stream import CallEvent, CallStream
-from fovea.serve.tools import CallHoldback, parse_tool_calls
+from fovea.serve.tools.calls import CallHoldback, parse_tool_calls
+from fovea.serve.tools.stream import CallEvent, CallStream
 
 
 class ToolFormat(Format):
