@@ -2,7 +2,8 @@
 
 import torch
 
-from fovea.engine.runner.staging import pack, pending_token, resolve_pending, to_device, unpack
+from fovea.engine.runner.staging import pending_token, resolve_pending
+from fovea.engine.transfer import pack, to_device, unpack
 
 
 def test_pack_groups_by_dtype_and_unpack_restores_every_array():

@@ -3,8 +3,8 @@ fovea's own Llama forward, Triton kernels and CUDA graphs. ``PagedEngine`` (``en
 its ``PagedEngineConfig`` (``config``) is the one engine every model runs on.
 
 - ``core``: requests and their events, sequences, the scheduler and the block manager;
-- ``runner``: the model runner (one step's forward), decode CUDA graphs, input staging and the
-  kernels' start-up self-check;
+- ``runner``: the model runner (one step's forward), decode CUDA graphs, pending decode inputs
+  and the kernels' start-up self-check;
 - ``model``: fovea's forward of the language model, its attention backends and KV cache;
 - ``sampling``: sampling parameters, the batched on-device sampler, logits processors,
   logprobs and prompt scores;
@@ -12,7 +12,9 @@ its ``PagedEngineConfig`` (``config``) is the one engine every model runs on.
 - ``kernels``: every Triton kernel; a kernel module imports no engine object;
 - ``memory``: the memory plan, its planner and profile, the tuning cache;
 - ``structured``: structured outputs (grammars, matchers, token masks);
-- ``reference``: transformers' own forward, what tests, benchmarks and doctor compare against.
+- ``reference``: transformers' own forward, what tests, benchmarks and doctor compare against;
+- ``transfer``: a step's small inputs to the device in one pinned, asynchronous copy (imports
+  only torch, so every package above may use it).
 """
 
 from __future__ import annotations

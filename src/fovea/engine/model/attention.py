@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.runner.staging import to_device
+from fovea.engine.transfer import to_device
 
 
 @dataclass(slots=True)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.engine.runner.staging import resolve_pending, to_device
+from fovea.engine.runner.staging import resolve_pending
+from fovea.engine.transfer import to_device
 
 log = logging.getLogger("fovea.engine.paged")
 

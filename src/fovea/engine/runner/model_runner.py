@@ -27,8 +27,9 @@ from fovea.engine.model.kv_cache import KVCache, KVPlan
 from fovea.engine.model.llama import PagedLlama
 from fovea.engine.runner.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
 from fovea.engine.runner.kernel_selfcheck import self_check
-from fovea.engine.runner.staging import resolve_pending, to_device
+from fovea.engine.runner.staging import resolve_pending
 from fovea.engine.sampling.prompt_scores import PromptScores, score_step
+from fovea.engine.transfer import to_device
 from fovea.engine.vision.embeddings import PromptEmbedder
 from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.engine.vision.vision_graphs import try_graphed_vision

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fovea.engine.core.sequence import Sequence
-from fovea.engine.runner.staging import to_device
+from fovea.engine.transfer import to_device
 
 
 def penalty_slots(max_num_seqs: int) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from fovea.engine.core.request import TokenLogprob
 from fovea.engine.core.sequence import Sequence
-from fovea.engine.runner.staging import to_device
+from fovea.engine.transfer import to_device
 
 
 @dataclass(slots=True)

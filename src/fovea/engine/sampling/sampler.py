@@ -1,7 +1,7 @@
 """Next tokens for a step's sampling rows, with ``sample_next``'s semantics, left on the device.
 
 Nothing here reads a value back: the engine queues the next step before the tokens reach
-the host (see ``PagedEngine.step``). Row indices cross through ``staging.to_device`` (pinned,
+the host (see ``PagedEngine.step``). Row indices cross through ``transfer.to_device`` (pinned,
 asynchronous): a plain ``torch.tensor(..., device="cuda")`` would wait for the running step.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from fovea.engine.core.sequence import Sequence
-from fovea.engine.runner.staging import to_device
 from fovea.engine.sampling import logits_processors
 from fovea.engine.sampling.logits_processors import TokenCounts
 from fovea.engine.sampling.params import sample_next_on_device
+from fovea.engine.transfer import to_device
 
 
 def block_eos_(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> None:

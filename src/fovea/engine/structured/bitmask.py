@@ -15,7 +15,7 @@ from collections.abc import Sequence as Seq
 import torch
 import xgrammar as xgr
 
-from fovea.engine.runner.staging import to_device
+from fovea.engine.transfer import to_device
 
 log = logging.getLogger("fovea.engine.structured")
 _device_backend = "auto"  # xgrammar picks Triton on CUDA; "torch_native" once that failed here

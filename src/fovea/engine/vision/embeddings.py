@@ -13,7 +13,7 @@ import torch
 
 from fovea.engine.core.sequence import Sequence
 from fovea.engine.model.llama import PagedLlama
-from fovea.engine.runner.staging import to_device
+from fovea.engine.transfer import to_device
 from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.engine.vision.image_encoder import ImageEncoder, check_image_row_count
 from fovea.model.loader import LoadedModel
