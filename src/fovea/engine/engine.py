@@ -92,7 +92,6 @@ class PagedEngine:
         # structured row's mask needs its in-flight token (docs/structured-outputs.md).
         self.structured_waits = 0
         self._waited_s = 0.0  # of this step's launch, seconds spent in that wait
-        self.running_batch = 0
         # Wall seconds of the worker's step phases, summed (where a step's time goes: CPU
         # scheduling, vision, launching the forward, waiting for the GPU, emitting tokens).
         self.phase_seconds = dict.fromkeys(("schedule", "embed", "forward", "sample_wait", "emit"), 0.0)
@@ -332,7 +331,6 @@ class PagedEngine:
 
     def _launch(self, plan: StepPlan) -> InFlight | None:
         """Queue the forward and the sampling; None if the forward could not be launched."""
-        self.running_batch = len(plan.chunks)
         previous = self._in_flight.tokens if self._in_flight is not None else None
         try:
             logits = self.runner.execute(plan, previous)
@@ -351,8 +349,6 @@ class PagedEngine:
             for chunk in plan.chunks:
                 self._fail(chunk.seq, exc)
             return None
-        finally:
-            self.running_batch = 0
 
     def _complete(self, step: InFlight) -> None:
         """Wait for a launched step's tokens, then record and emit them."""
