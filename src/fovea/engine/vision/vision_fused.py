@@ -265,25 +265,35 @@ def platform_problem(loaded: LoadedModel) -> str | None:
     return None
 
 
-def choose_vision_encoder(loaded: LoadedModel, enabled: bool = True
-                          ) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
-    """(the vision stage to run, a label saying which and why): ``FusedVision`` where it runs
-    and agrees with transformers' modules on this model, else ``encode_images``."""
-    eager = functools.partial(encode_images, loaded)
+NOT_ENABLED = ("the fused stage is not enabled: it needs a GPU, triton and, unless --fused-vision on, a model of "
+               "1 B parameters or more")
+
+
+def checked_fused(loaded, enabled: bool, eager: Callable, build: Callable, check: Callable) -> tuple[Callable, str]:
+    """(the vision forward to run, a label saying which and why): ``build(loaded)`` where the
+    fused stage is ``enabled``, this machine runs its kernels and ``check(loaded, fused)`` finds
+    it agreeing with transformers' modules; else ``eager``, with the reason."""
     if not enabled:
-        return eager, ("transformers' modules (the fused stage is not enabled: it needs a GPU, triton and, "
-                       "unless --fused-vision on, a model of 1 B parameters or more)")
+        return eager, f"transformers' modules ({NOT_ENABLED})"
     problem = platform_problem(loaded)
     if problem:
         log.info("vision stage: transformers' modules (%s)", problem)
         return eager, f"transformers' modules ({problem})"
     try:
-        fused = FusedVision(loaded)  # refuses, naming why, a tower it cannot run
-        problem = startup_problem(loaded, fused)
+        fused = build(loaded)  # refuses, naming why, a tower it cannot run
+        problem = check(loaded, fused)
     except Exception as exc:  # noqa: BLE001 - any failure means: encode eagerly
         problem = f"{type(exc).__name__}: {exc}"
     if problem:
         log.warning("vision stage uses transformers' modules, not the fused kernels: %s", problem)
         return eager, f"transformers' modules ({problem})"
-    log.info("vision stage: fused kernels (checked against transformers' modules)")
-    return fused, "fused (Triton kernels)"
+    label = getattr(fused, "label", "fused (Triton kernels)")
+    log.info("vision stage: %s (checked against transformers' modules)", label)
+    return fused, label
+
+
+def choose_vision_encoder(loaded: LoadedModel, enabled: bool = True
+                          ) -> tuple[Callable[[torch.Tensor], torch.Tensor], str]:
+    """(the vision stage to run, a label saying which and why): ``FusedVision`` where it runs
+    and agrees with transformers' modules on this model, else ``encode_images``."""
+    return checked_fused(loaded, enabled, functools.partial(encode_images, loaded), FusedVision, startup_problem)

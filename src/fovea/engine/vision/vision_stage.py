@@ -8,7 +8,6 @@ to what builds it. Both the engine's model runner and the encode worker call
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -17,10 +16,7 @@ import torch
 from fovea.engine.vision import vision_fused
 from fovea.models.base import ImageInput
 
-log = logging.getLogger("fovea.engine")
 
-NOT_ENABLED = ("the fused stage is not enabled: it needs a GPU, triton and, unless --fused-vision on, a model of "
-               "1 B parameters or more")
 
 
 class VisionStage(NamedTuple):
@@ -45,23 +41,9 @@ def qwen_stage(loaded, enabled: bool) -> VisionStage:
     """Qwen2.5-VL's and Qwen3-VL's towers (``qwen_vision_fused.QwenFusedVision``), any image sizes."""
     from fovea.engine.vision.qwen_vision_fused import QwenFusedVision, startup_problem
 
-    eager = loaded.adapter.vision_forward(loaded)
-    if not enabled:
-        return VisionStage(eager, f"transformers' modules ({NOT_ENABLED})")
-    problem = vision_fused.platform_problem(loaded)
-    if problem:
-        log.info("vision stage: transformers' modules (%s)", problem)
-        return VisionStage(eager, f"transformers' modules ({problem})")
-    try:
-        fused = QwenFusedVision(loaded)  # refuses, naming why, a tower it cannot run
-        problem = startup_problem(loaded, fused)
-    except Exception as exc:  # noqa: BLE001 - any failure means: encode eagerly
-        problem = f"{type(exc).__name__}: {exc}"
-    if problem:
-        log.warning("vision stage uses transformers' modules, not the fused kernels: %s", problem)
-        return VisionStage(eager, f"transformers' modules ({problem})")
-    log.info("vision stage: %s (checked against transformers' modules)", fused.label)
-    return VisionStage(fused, fused.label)
+    forward, label = vision_fused.checked_fused(loaded, enabled, loaded.adapter.vision_forward(loaded),
+                                                QwenFusedVision, startup_problem)
+    return VisionStage(forward, label)
 
 
 FUSED_STAGES: dict[str, Callable[[object, bool], VisionStage]] = {
