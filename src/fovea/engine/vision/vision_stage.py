@@ -17,8 +17,6 @@ from fovea.engine.vision import vision_fused
 from fovea.models.base import ImageInput
 
 
-
-
 class VisionStage(NamedTuple):
     """The vision forward over a list of images, a label saying which one and why, and for
     fixed-size towers the same forward over one [n, C, H, W] tensor (what CUDA graphs capture
