@@ -24,8 +24,8 @@ from fovea.demo import scenes
 from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.core.request import FinishEvent, TokenEvent
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.loader import load_model
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import encode_prompt, render_chat
 
 QUESTION = [{"type": "image"}, {"type": "text", "text": "Describe the image."}]
 GREEDY = SamplingParams(max_tokens=48, temperature=0)

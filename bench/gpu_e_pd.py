@@ -58,9 +58,9 @@ def handoff(model_dir: Path, args, results: dict) -> None:
     from PIL import Image
 
     from fovea.disagg.encoder_pool import EncoderPool
-    from fovea.model.contract import check_contract
-    from fovea.model.loader import load_model
-    from fovea.model.prompt import encode_prompt, render_chat
+    from fovea.loading.contract import check_contract
+    from fovea.loading.loader import load_model
+    from fovea.loading.prompt import encode_prompt, render_chat
 
     loaded = load_model(str(model_dir), args.device, "auto")  # the PD side: its processor, contract, device
     contract = check_contract(loaded)

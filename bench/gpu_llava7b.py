@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT / "src"))
 from fovea.engine.core.request import FinishEvent, TokenEvent
 from fovea.engine.kernels import triton_util
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.loader import LoadedModel
-from fovea.model.prompt import EncodedPrompt, ImageInput
-from fovea.model.vision import encode_images
+from fovea.loading.loader import LoadedModel
+from fovea.loading.prompt import EncodedPrompt, ImageInput
 from fovea.models.base import pixel_hash
+from fovea.models.clip_vision import encode_images
 from fovea.models.llava import LlavaAdapter
 
 IMAGE_TOKEN = 32000

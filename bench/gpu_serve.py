@@ -154,9 +154,9 @@ def offline(model_dir: Path, args, results: dict) -> None:
     from fovea.engine import PagedEngine, PagedEngineConfig
     from fovea.engine.core.request import FinishEvent, TokenEvent
     from fovea.engine.sampling.params import SamplingParams
+    from fovea.loading.loader import load_model
+    from fovea.loading.prompt import encode_prompt, render_chat
     from fovea.media import MediaConfig, decode_image_bytes
-    from fovea.model.loader import load_model
-    from fovea.model.prompt import encode_prompt, render_chat
 
     loaded = load_model(model_dir, args.device, "auto")
     engine = PagedEngine(loaded, PagedEngineConfig())

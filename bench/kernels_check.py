@@ -422,7 +422,7 @@ def vision_check(device: torch.device, dtypes: list[torch.dtype] | None = None) 
         relative_error,
         sample_pixels,
     )
-    from fovea.model.vision import encode_images
+    from fovea.models.clip_vision import encode_images
 
     dtypes = dtypes or check_dtypes(device)
     worst = 0.0
@@ -504,7 +504,7 @@ def vision_bench(device: torch.device) -> None:
     CUDA graphs, at batch 1 and 32, read against the matrix products alone."""
     from fovea.engine.vision.vision_fused import FusedVision, sample_pixels, startup_problem
     from fovea.engine.vision.vision_graphs import try_graphed_vision
-    from fovea.model.vision import encode_images
+    from fovea.models.clip_vision import encode_images
 
     loaded = random_llava(llava15_vision(), 4096, device, torch.bfloat16, weight_std=0.02)
     fused = FusedVision(loaded)

@@ -20,8 +20,8 @@ from fovea.demo import scenes
 from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.core.request import FinishEvent
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.loader import load_model
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import encode_prompt, render_chat
 
 QUESTION = [{"type": "image"}, {"type": "text", "text": "Describe the image."}]
 

@@ -28,8 +28,8 @@ from fovea.engine.config import PagedEngineConfig
 from fovea.engine.core.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.engine import PagedEngine
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.loader import load_model
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import encode_prompt, render_chat
 
 
 async def _collect(engine: PagedEngine, prompt, params) -> list[int]:

@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import serve_load as load  # noqa: E402
 
+from fovea.loading.contract import check_contract  # noqa: E402
+from fovea.loading.loader import load_model  # noqa: E402
+from fovea.loading.prompt import encode_prompt, render_chat  # noqa: E402
 from fovea.media import MediaConfig, decode_image_bytes  # noqa: E402
-from fovea.model.contract import check_contract  # noqa: E402
-from fovea.model.loader import load_model  # noqa: E402
-from fovea.model.prompt import encode_prompt, render_chat  # noqa: E402
 from fovea.serve.preprocess import Preprocessor  # noqa: E402
 from fovea.testing.random_llava import prompt_words  # noqa: E402
 

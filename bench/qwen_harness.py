@@ -383,7 +383,7 @@ def main(family: FamilyBench, doc: str) -> int:
             table.append((f"serve {topology}", "TPOT p50 / p99 ms", f"{b['tpot_p50_ms']:.1f} / {b['tpot_p99_ms']:.1f}",
                           "", ""))
     if sections & {"vision", "check"}:
-        from fovea.model.loader import load_model
+        from fovea.loading.loader import load_model
 
         loaded = load_model(model_dir, device, "bfloat16" if CUDA else "float32")
         log(f"loaded in {loaded.load_seconds:.1f} s")

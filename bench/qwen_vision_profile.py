@@ -104,7 +104,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
     args = parser.parse_args()
     from fovea.engine.vision.vision_stage import choose_vision_stage
-    from fovea.model.loader import load_model
+    from fovea.loading.loader import load_model
 
     writer, default_arch = FAMILIES[args.family]
     arch = args.arch or default_arch

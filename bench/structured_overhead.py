@@ -38,7 +38,7 @@ from fovea.engine.sampling.params import SamplingParams
 from fovea.engine.structured import bitmask
 from fovea.engine.structured.compiler import GrammarCompiler
 from fovea.engine.structured.spec import GrammarSpec
-from fovea.model.loader import load_model
+from fovea.loading.loader import load_model
 
 
 def free_device_memory() -> None:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_llava7b import build_model
 
 from fovea.engine.vision.vision_fused import FusedVision, startup_problem
-from fovea.model.vision import encode_images
+from fovea.models.clip_vision import encode_images
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -57,7 +57,7 @@ def main() -> int:
 def per_layer(loaded, fused: FusedVision, pixels: torch.Tensor) -> None:
     """Where the difference builds up: the residual stream after each layer, fused vs
     transformers' modules at batch 4, beside transformers at batch 1 vs batch 4."""
-    from fovea.model.vision import tower_hidden_states, vision_modules
+    from fovea.models.clip_vision import tower_hidden_states, vision_modules
 
     tower, _ = vision_modules(loaded)
     layers = list(range(len(fused.layers) + 1))

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_llava7b import build_model, ceilings, time_cuda, vision_flops_per_image
 
-from fovea.model.vision import encode_images
+from fovea.models.clip_vision import encode_images
 
 
 def main() -> int:

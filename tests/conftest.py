@@ -8,7 +8,7 @@ import pytest
 from scene_helpers import TEST_DEVICE, LiveServer, free_port, start_server, stop_server
 
 from fovea.config import ServerSettings
-from fovea.model.loader import LoadedModel, load_model
+from fovea.loading.loader import LoadedModel, load_model
 from fovea.testing.quiet_logs import logging_left_as_found  # noqa: F401 (autouse: see its module)
 
 

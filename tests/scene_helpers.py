@@ -22,7 +22,7 @@ from PIL import Image
 from fovea.config import ServerSettings
 from fovea.demo import scenes
 from fovea.engine.core.request import FinishEvent, TokenEvent
-from fovea.model.loader import LoadedModel
+from fovea.loading.loader import LoadedModel
 
 # Where the shared demo model and the servers built on it run: CPU in CI; FOVEA_TEST_DEVICE=cuda
 # runs the same HTTP tests on a GPU (the lead's GPU runs use it for the client-compatibility suite).

@@ -20,8 +20,8 @@ from fovea.demo.build import (
 )
 from fovea.demo.checkpoint_layout import LLAVA_HF_PREFIXES, llava_hf_name, to_llava_hf
 from fovea.demo.dataset import encode_rendered, prompt_table
-from fovea.model.loader import default_model_dir
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.loader import default_model_dir
+from fovea.loading.prompt import encode_prompt, render_chat
 
 BOS_ID, IMAGE_ID = 1, 4
 # The ids the shipped weights were trained on for "Describe the image." (before issue 11 as after):

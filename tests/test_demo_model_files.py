@@ -10,7 +10,7 @@ from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from fovea.demo import scenes
 from fovea.demo.build import DemoArchitecture, build_model_dir, build_tokenizer
 from fovea.demo.dataset import build_pool, prompt_table, resize_like_processor
-from fovea.model.loader import default_model_dir
+from fovea.loading.loader import default_model_dir
 from fovea.testing.tolerance import assert_close_for
 
 

@@ -10,7 +10,7 @@ from fovea.engine.core.detokenize import IncrementalDetokenizer
 from fovea.engine.reference import reference_generate
 from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.prompt import encode_prompt, render_chat
 
 
 def prompt_for(model, image, question="Describe the image."):

@@ -33,3 +33,27 @@ def test_the_structured_outputs_know_no_scheduler():
     found = {p.name: within(imported(p), "fovea.engine.core", "fovea.engine.runner", "fovea.engine.engine")
              for p in (SRC / "engine" / "structured").glob("*.py")}
     assert {k: v for k, v in found.items() if v} == {}
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """``imported``, without what ``if TYPE_CHECKING:`` blocks import (type hints only)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = []
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_adapters_do_not_import_the_loading_that_imports_them():
+    """fovea.loading reads a directory through the adapters of fovea.models; an adapter that imported
+    fovea.loading back would make the two packages a circle (it was one, through model/vision.py)."""
+    found = {str(p.relative_to(SRC)): within(runtime_imports(p), "fovea.loading")
+             for p in (SRC / "models").glob("*.py")}
+    assert {k: v for k, v in found.items() if v} == {}
+    assert within(runtime_imports(SRC / "loading" / "loader.py"), "fovea.models")  # the direction that stays

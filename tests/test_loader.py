@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fovea.errors import ModelLoadError
-from fovea.model.loader import default_model_dir, load_model, resolve_device, resolve_dtype
+from fovea.loading.loader import default_model_dir, load_model, resolve_device, resolve_dtype
 
 
 def copy_demo(tmp_path):

@@ -1,7 +1,7 @@
 import pytest
 from PIL import Image
 
-from fovea.model.prompt import PlaceholderMismatch, encode_prompt, render_chat
+from fovea.loading.prompt import PlaceholderMismatch, encode_prompt, render_chat
 
 
 def user(*parts):

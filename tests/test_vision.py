@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fovea.model.vision import encode_images, tower_hidden_states
+from fovea.models.clip_vision import encode_images, tower_hidden_states
 from fovea.testing.tolerance import assert_close_for, vision_path_len
 
 
@@ -57,7 +57,7 @@ class FakeGraphs:
 def test_the_image_encoder_uses_graphs_for_the_batches_they_hold(demo_model):
     from fovea.engine.vision.encoder_cache import EncoderCache
     from fovea.engine.vision.image_encoder import ImageEncoder
-    from fovea.model.prompt import EncodedPrompt, ImageInput
+    from fovea.loading.prompt import EncodedPrompt, ImageInput
 
     def prompt(seed):
         pixels = torch.randn(3, 128, 128, generator=torch.Generator().manual_seed(seed))

@@ -326,10 +326,10 @@ def chat(args: argparse.Namespace) -> int:
     from fovea.engine import PagedEngine
     from fovea.engine.core.request import ErrorEvent, FinishEvent, default_max_tokens
     from fovea.engine.sampling.params import SamplingParams
+    from fovea.loading.loader import load_model
+    from fovea.loading.prompt import encode_prompt, render_chat
     from fovea.media import decode_image_bytes
     from fovea.media.config import MediaConfig
-    from fovea.model.loader import load_model
-    from fovea.model.prompt import encode_prompt, render_chat
 
     loaded = load_model(args.model, args.device, args.dtype)
     media = MediaConfig()

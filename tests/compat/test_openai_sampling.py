@@ -12,7 +12,7 @@ import transformers
 from scene_helpers import data_url, fresh_scene
 
 from fovea.demo import scenes
-from fovea.model.loader import default_model_dir
+from fovea.loading.loader import default_model_dir
 
 SCENE = fresh_scene(6100, min_shapes=2)
 URL = data_url(scenes.render(SCENE))

@@ -99,7 +99,7 @@ def test_wheel_serves_the_demo_model_from_an_empty_directory(tmp_path: Path) -> 
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env |= {"PATH": f"{venv / 'bin'}:{env.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
-    probe = "import fovea, fovea.model.loader as l; print(fovea.__file__); print(l.default_model_dir())"
+    probe = "import fovea, fovea.loading.loader as l; print(fovea.__file__); print(l.default_model_dir())"
     where = run([str(python), "-c", probe], cwd=empty, env=env).stdout.split()
     assert all(Path(p).is_relative_to(site) for p in where), where
 

@@ -19,7 +19,7 @@ from fovea.config import ServerSettings
 from fovea.demo import scenes
 from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.prompt import encode_prompt, render_chat
 
 QUESTION = "Describe the image."
 
@@ -121,7 +121,7 @@ def test_a_hung_encode_worker_is_timed_out_and_replaced(e_pd, demo_model):
 def test_the_pool_refuses_embeddings_from_other_vision_weights(demo_model):
     from fovea.disagg.encoder_pool import EncoderPool
     from fovea.disagg.handoff import HandoffMismatch
-    from fovea.model.contract import check_contract
+    from fovea.loading.contract import check_contract
 
     contract = check_contract(demo_model)
     pool = EncoderPool(demo_model.path, workers=1, device="cpu", dtype="float32", model_id=contract.model_fingerprint,

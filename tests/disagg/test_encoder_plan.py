@@ -7,7 +7,7 @@ import torch
 
 from fovea.disagg.encoder_plan import EncoderMemoryError, EncoderPlan, header_bytes, refuse_unless_fits
 from fovea.engine.memory.profile import tensor_bytes
-from fovea.model.vision_part import checkpoint_files, checkpoint_name, load_vision_part
+from fovea.loading.vision_part import checkpoint_files, checkpoint_name, load_vision_part
 
 
 def vision_names(model, files):

@@ -31,7 +31,7 @@ from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.sampling.params import SamplingParams
 from fovea.front.metrics import merge
 from fovea.front.uploads import UploadRecord, sync
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.prompt import encode_prompt, render_chat
 
 QUESTION = "Describe the image."
 KEY = "front-key"

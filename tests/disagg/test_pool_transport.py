@@ -14,8 +14,8 @@ from fovea.disagg import wire
 from fovea.disagg.encoder_pool import EncoderPool
 from fovea.disagg.handoff import HandoffMismatch, checksum
 from fovea.disagg.shared_segment import Segment
-from fovea.model.contract import check_contract
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.contract import check_contract
+from fovea.loading.prompt import encode_prompt, render_chat
 
 
 def images_of(model, seeds):

@@ -12,7 +12,7 @@ from fovea.disagg.handoff import HandoffMismatch
 from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.core.request import ErrorEvent, FinishEvent
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.prompt import encode_prompt, render_chat
 
 
 class FlakyEncoders:

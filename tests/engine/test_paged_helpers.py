@@ -11,7 +11,7 @@ from fovea.engine.core.request import EngineRequest
 from fovea.engine.core.sequence import Sequence
 from fovea.engine.reference import reference_generate
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.prompt import EncodedPrompt, ImageInput, encode_prompt, render_chat
+from fovea.loading.prompt import EncodedPrompt, ImageInput, encode_prompt, render_chat
 
 IMAGE = 4  # the demo model's image token id
 

@@ -14,7 +14,7 @@ from fovea.engine.core.request import ErrorEvent, TokenEvent
 from fovea.engine.reference import reference_logits
 from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
-from fovea.model.prompt import PlaceholderMismatch
+from fovea.loading.prompt import PlaceholderMismatch
 from fovea.testing.tolerance import assert_close_to_model
 
 

@@ -18,8 +18,8 @@ from fovea.engine.reference import reference_prompt_logprobs
 from fovea.engine.sampling.params import SamplingParams
 from fovea.guard.canary import kl_divergence
 from fovea.guard.grounding import answer_dependence, answer_ids
-from fovea.model.loader import load_model
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import encode_prompt, render_chat
 from fovea.models.base import with_text_tokens
 from fovea.testing.tolerance import assert_close_to_model, model_path_len, reduction_atol
 

@@ -28,7 +28,7 @@ from fovea.engine.vision.qwen_vision_fused import (
 )
 from fovea.engine.vision.varlen_attention import GROUPED, varlen_attention, varlen_backend
 from fovea.engine.vision.vision_fused import MODEL_TOLERANCE, relative_error
-from fovea.model.loader import load_model
+from fovea.loading.loader import load_model
 from fovea.models.base import ImageInput
 from fovea.testing import random_qwen2_5_vl, random_qwen3_vl
 from fovea.testing.tolerance import K, assert_close_for, eps, reduction_atol, tower_path_len

@@ -16,7 +16,7 @@ from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.core.request import FinishEvent, TokenEvent
 from fovea.engine.reference import reference_generate, reference_logits
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.loader import load_model
+from fovea.loading.loader import load_model
 from fovea.testing.random_llava import write_model_dir
 from fovea.testing.tolerance import assert_close_to_model
 

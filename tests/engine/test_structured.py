@@ -22,7 +22,7 @@ from fovea.engine.structured.bitmask import apply_grammar_masks_
 from fovea.engine.structured.compiler import Grammar, GrammarCompiler
 from fovea.engine.structured.matcher import GrammarState
 from fovea.engine.structured.spec import GrammarSpec, StructuredOutputError
-from fovea.model.loader import load_model
+from fovea.loading.loader import load_model
 from fovea.testing.byte_level_model import write_model_dir
 
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0,

@@ -26,7 +26,7 @@ from fovea.engine.vision.vision_fused import (
     startup_problem,
     supports,
 )
-from fovea.model.vision import encode_images
+from fovea.models.clip_vision import encode_images
 from fovea.testing.kernel_cases import random_llava, tiny_vision
 from fovea.testing.tolerance import K, assert_close_for, eps, reduction_atol, vision_path_len
 
@@ -50,7 +50,7 @@ def close(got, ref, dtype, reduction_len=1):
 @pytest.fixture(scope="module")
 def demo(demo_model):
     """The shipped demo model (CLIP, 4 layers, exact-GELU MLP) on the device the kernels run on."""
-    from fovea.model.loader import load_model
+    from fovea.loading.loader import load_model
 
     return demo_model if DEVICE.type == "cpu" else load_model(None, DEVICE.type, "float32")
 
@@ -172,7 +172,7 @@ def test_choose_vision_encoder_keeps_transformers_modules_off_cuda(demo_model):
 def test_the_image_encoder_runs_the_encode_it_is_given(demo_model):
     from fovea.engine.vision.encoder_cache import EncoderCache
     from fovea.engine.vision.image_encoder import ImageEncoder
-    from fovea.model.prompt import EncodedPrompt, ImageInput
+    from fovea.loading.prompt import EncodedPrompt, ImageInput
     from fovea.models.llava import stacked
 
     calls = []

@@ -17,8 +17,8 @@ from fovea.engine.vision import vision_fused
 from fovea.engine.vision import vision_stage as stages
 from fovea.engine.vision.qwen_vision_fused import QwenFusedVision
 from fovea.engine.vision.vision_stage import FUSED_STAGES, choose_vision_stage
-from fovea.model.loader import load_model
-from fovea.model.vision import encode_images
+from fovea.loading.loader import load_model
+from fovea.models.clip_vision import encode_images
 from fovea.models.llava_next import LlavaNextAdapter
 from fovea.testing import random_qwen2_5_vl, random_qwen3_vl
 from fovea.testing.kernel_cases import random_llava, tiny_vision
@@ -139,7 +139,7 @@ def test_an_unknown_declared_stage_is_an_error(llava, monkeypatch):
 
 def test_the_encode_worker_uses_the_same_chooser(qwen_dirs, monkeypatch):
     """An encode worker's vision part (the tower alone, in a shell model) runs the fused stage too."""
-    from fovea.model.vision_part import load_vision_part
+    from fovea.loading.vision_part import load_vision_part
 
     part = load_vision_part(qwen_dirs["qwen3_vl"], "cpu", "float32")
     forward, label = vision_stage(part, fused=False)

@@ -12,8 +12,8 @@ from scene_helpers import collect, fresh_scene
 from fovea.demo import scenes
 from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.loader import load_model
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import encode_prompt, render_chat
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GREEDY = SamplingParams(max_tokens=40, temperature=0)

@@ -20,8 +20,8 @@ from fovea.engine.core.in_flight import InFlight
 from fovea.engine.core.request import FinishEvent, TokenEvent
 from fovea.engine.sampling import logprobs as logprobs_module
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.loader import load_model
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import encode_prompt, render_chat
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -21,8 +21,8 @@ from fovea.guard.canary_fit import (
     fit_canary,
 )
 from fovea.guard.probe_images import DEFAULT_CASES
+from fovea.loading.loader import load_codec, load_model
 from fovea.media.config import MediaConfig
-from fovea.model.loader import load_codec, load_model
 from fovea.serve.app import create_app
 from fovea.serve.startup_checks import StartupRefused
 from fovea.testing.random_qwen2_5_vl import write_model_dir

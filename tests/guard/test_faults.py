@@ -18,9 +18,9 @@ from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.errors import ModelLoadError
 from fovea.guard.canary import Canary
-from fovea.model.contract import ContractError, check_contract
-from fovea.model.loader import default_model_dir, load_model
-from fovea.model.vision import vision_modules
+from fovea.loading.contract import ContractError, check_contract
+from fovea.loading.loader import default_model_dir, load_model
+from fovea.models.clip_vision import vision_modules
 
 IMAGENET = {"image_mean": list(IMAGENET_DEFAULT_MEAN), "image_std": list(IMAGENET_DEFAULT_STD)}
 

@@ -12,8 +12,8 @@ from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
 from fovea.config import ServerSettings
 from fovea.demo import scenes
-from fovea.model.loader import load_model
-from fovea.model.vision import vision_modules
+from fovea.loading.loader import load_model
+from fovea.models.clip_vision import vision_modules
 
 
 def settings(**kw) -> ServerSettings:

@@ -61,7 +61,7 @@ def test_a_large_scene_is_answered_like_the_small_one(demo_model):
     from fovea.demo import scenes
     from fovea.engine import PagedEngine, PagedEngineConfig
     from fovea.engine.sampling.params import SamplingParams
-    from fovea.model.prompt import encode_prompt, render_chat
+    from fovea.loading.prompt import encode_prompt, render_chat
 
     scene = fresh_scene(5150)
     small = scenes.render(scene)

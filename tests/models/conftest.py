@@ -7,9 +7,9 @@ import pytest
 
 @pytest.fixture
 def tensor_reads(monkeypatch) -> list[str]:
-    """The names of every tensor ``fovea.model.vision_part`` reads from a safetensors file, in
+    """The names of every tensor ``fovea.loading.vision_part`` reads from a safetensors file, in
     order, while the test runs (the encode-only loader must read no language-model tensor)."""
-    from fovea.model import vision_part
+    from fovea.loading import vision_part
 
     read: list[str] = []
     real_open = vision_part.safe_open

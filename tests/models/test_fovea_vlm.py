@@ -23,10 +23,10 @@ from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.reference import reference_generate, reference_logits
 from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import ModelLoadError
-from fovea.model.contract import ContractError, check_contract
-from fovea.model.loader import load_model
-from fovea.model.prompt import encode_prompt, render_chat
-from fovea.model.vision_part import load_vision_part
+from fovea.loading.contract import ContractError, check_contract
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import encode_prompt, render_chat
+from fovea.loading.vision_part import load_vision_part
 from fovea.testing.random_fovea_vlm import write_model_dir
 from fovea.testing.tolerance import assert_close_for, assert_close_to_model, vision_path_len
 

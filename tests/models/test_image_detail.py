@@ -13,8 +13,8 @@ from PIL import Image
 from scene_helpers import data_url, free_port, start_server, stop_server
 
 from fovea.config import ServerSettings
-from fovea.model.loader import load_model
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import encode_prompt, render_chat
 from fovea.models.base import LOW_DETAIL_PIXELS, EncodeOptions
 from fovea.testing import random_qwen2_5_vl, random_qwen3_vl
 

@@ -25,10 +25,10 @@ from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.reference import reference_generate, reference_logits
 from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import ModelLoadError
-from fovea.model.contract import ContractError, check_contract
-from fovea.model.loader import load_model
-from fovea.model.prompt import PlaceholderMismatch, encode_prompt, render_chat
-from fovea.model.vision_part import load_vision_part
+from fovea.loading.contract import ContractError, check_contract
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import PlaceholderMismatch, encode_prompt, render_chat
+from fovea.loading.vision_part import load_vision_part
 from fovea.testing.random_llava_next import write_model_dir
 from fovea.testing.tolerance import assert_close_to_model
 

@@ -24,9 +24,9 @@ from fovea.engine.reference import reference_generate, reference_logits
 from fovea.engine.runner.model_runner import chunk_positions
 from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import InvalidRequest
-from fovea.model.contract import check_contract
-from fovea.model.loader import load_model
-from fovea.model.prompt import PlaceholderMismatch, encode_prompt, render_chat
+from fovea.loading.contract import check_contract
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import PlaceholderMismatch, encode_prompt, render_chat
 from fovea.models.qwen2_5_vl import mrope_positions
 from fovea.testing.random_qwen2_5_vl import write_model_dir
 from fovea.testing.tolerance import assert_close_to_model
@@ -227,7 +227,7 @@ def test_fovea_serve_answers_a_qwen_chat_over_http(qwen):
 
 def test_the_contract_catches_positions_that_differ_from_transformers(qwen, monkeypatch):
     import fovea.models.qwen2_5_vl as family
-    from fovea.model.contract import ContractError
+    from fovea.loading.contract import ContractError
 
     real = family.mrope_positions
 

@@ -11,10 +11,10 @@ from test_qwen2_5_vl import GREEDY, noise, run
 
 from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.reference import reference_generate, reference_logits
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import PlaceholderMismatch, render_chat
 from fovea.media import MediaConfig
 from fovea.media.video import DecodedVideo, decode_video_bytes
-from fovea.model.loader import load_model
-from fovea.model.prompt import PlaceholderMismatch, render_chat
 from fovea.models.qwen2_5_vl import pixel_bounds
 from fovea.testing.random_qwen2_5_vl import write_model_dir
 from fovea.testing.tolerance import assert_close_for, assert_close_to_model, vision_path_len

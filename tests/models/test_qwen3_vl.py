@@ -24,9 +24,9 @@ from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.model.llama import PagedLlama
 from fovea.engine.reference import reference_generate, reference_logits
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.contract import check_contract
-from fovea.model.loader import load_model
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.contract import check_contract
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import encode_prompt, render_chat
 from fovea.testing.random_qwen3_vl import write_model_dir
 from fovea.testing.tolerance import assert_close_for, assert_close_to_model, path_len_of
 

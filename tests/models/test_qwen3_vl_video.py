@@ -24,10 +24,10 @@ from fovea.config import ServerSettings
 from fovea.engine import PagedEngine, PagedEngineConfig
 from fovea.engine.reference import reference_generate, reference_logits
 from fovea.engine.sampling.params import SamplingParams
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import render_chat
 from fovea.media import MediaConfig
 from fovea.media.video import DecodedVideo, decode_video_bytes
-from fovea.model.loader import load_model
-from fovea.model.prompt import render_chat
 from fovea.models.qwen3_vl import sample_indices
 from fovea.testing.random_qwen3_vl import write_model_dir
 from fovea.testing.tolerance import assert_close_for, assert_close_to_model, vision_path_len

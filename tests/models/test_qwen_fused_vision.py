@@ -15,8 +15,8 @@ from fovea.engine.core.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.reference import reference_generate
 from fovea.engine.sampling.params import SamplingParams
 from fovea.engine.vision.qwen_vision_fused import QwenFusedVision
-from fovea.model.loader import load_model
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import encode_prompt, render_chat
 from fovea.testing import random_qwen2_5_vl, random_qwen3_vl
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

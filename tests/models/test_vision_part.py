@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from test_qwen2_5_vl import noise, qwen  # noqa: F401 - the module's fixture
 
 from fovea.errors import ModelLoadError
-from fovea.model.vision_part import load_vision_part
+from fovea.loading.vision_part import load_vision_part
 
 
 def one_image_prompt(model, image):

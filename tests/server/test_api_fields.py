@@ -15,7 +15,7 @@ import transformers
 from scene_helpers import data_url, fresh_scene
 
 from fovea.demo import scenes
-from fovea.model.loader import default_model_dir
+from fovea.loading.loader import default_model_dir
 from fovea.serve import fields
 
 SCENE = fresh_scene(5000, min_shapes=2)

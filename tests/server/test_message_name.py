@@ -8,7 +8,7 @@ import pytest
 from scene_helpers import TEST_DEVICE, free_port, start_server, stop_server
 
 from fovea.config import ServerSettings
-from fovea.model.loader import load_model
+from fovea.loading.loader import load_model
 
 # The demo's template, but a user turn with a name opens with "user <name>:" (OpenAI's "name":
 # the participant's name, which some templates render).

@@ -97,7 +97,7 @@ def test_a_worker_that_dies_fails_its_request_loudly_and_is_replaced(demo_model)
     import os
     import signal
 
-    from fovea.model.contract import check_contract
+    from fovea.loading.contract import check_contract
 
     contract = check_contract(demo_model)
     pre = Preprocessor(demo_model, MediaConfig(), 1, contract.recipe_fingerprint)

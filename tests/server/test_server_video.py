@@ -10,10 +10,10 @@ import pytest
 from scene_helpers import data_url, free_port, start_server, stop_server
 
 from fovea.config import ServerSettings
+from fovea.loading.loader import load_model
+from fovea.loading.prompt import render_chat
 from fovea.media import MediaConfig
 from fovea.media.video import decode_video_bytes
-from fovea.model.loader import load_model
-from fovea.model.prompt import render_chat
 from fovea.testing.random_qwen2_5_vl import write_model_dir
 from fovea.testing.videos import make_mp4
 
@@ -139,7 +139,7 @@ def test_videos_cross_preprocessing_worker_processes(qwen):
     the prompt it returns is the in-process one."""
     import asyncio
 
-    from fovea.model.contract import check_contract
+    from fovea.loading.contract import check_contract
     from fovea.serve.preprocess import Preprocessor, build_prompts
 
     media = MediaConfig()

@@ -25,7 +25,7 @@ from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from fovea.demo.checkpoint_layout import save_llava_hf_weights
 from fovea.demo.scenes import vocabulary_words
-from fovea.model.clip_processor import make_clip_image_processor
+from fovea.models.clip_processor import make_clip_image_processor
 
 PAD, BOS, EOS, UNK, IMAGE = "<pad>", "<s>", "</s>", "<unk>", "<image>"
 SPECIALS = (PAD, BOS, EOS, UNK, IMAGE)

@@ -25,8 +25,8 @@ from fovea.demo import scenes
 from fovea.engine import PagedEngine
 from fovea.engine.core.request import FinishEvent
 from fovea.engine.sampling.params import SamplingParams
-from fovea.model.loader import LoadedModel, load_model
-from fovea.model.prompt import encode_prompt, render_chat
+from fovea.loading.loader import LoadedModel, load_model
+from fovea.loading.prompt import encode_prompt, render_chat
 from fovea.progress import progress
 
 EVAL_SEED = 3

@@ -52,7 +52,7 @@ def serve(path: str, authkey: bytes, model_dir: str | None, device: str, dtype: 
 
     from fovea.disagg.encode_worker import EncodeService
     from fovea.engine.config import VISION_BATCH
-    from fovea.model.loader import default_model_dir
+    from fovea.loading.loader import default_model_dir
 
     torch.set_num_threads(1)
     model_dir = model_dir or str(default_model_dir())
@@ -82,7 +82,7 @@ def _fused(switch: bool | None, model_dir: str, device: str) -> bool:
         return switch
     from fovea.engine.config import GPU_MODEL_MIN_PARAMETERS
     from fovea.guard.memory import read_safetensors_header, safetensors_files
-    from fovea.model.loader import resolve_device
+    from fovea.loading.loader import resolve_device
 
     if resolve_device(device).type != "cuda":
         return False

@@ -97,8 +97,8 @@ class EncodeService:
                  fused_vision: bool = False, hold: bool = True) -> None:
         """``hold``: cap this process's allocator at the plan (a worker does; `fovea doctor`,
         which only reports the plan, does not)."""
-        from fovea.model.contract import directory_fingerprint
-        from fovea.model.vision_part import load_vision_part
+        from fovea.loading.contract import directory_fingerprint
+        from fovea.loading.vision_part import load_vision_part
 
         # Batches of 1 to 32 images in turn fragment the caching allocator: measured on the H200,
         # 0.25 GiB reserved beyond what was allocated, the whole margin. Expandable segments

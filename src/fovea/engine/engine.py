@@ -42,8 +42,8 @@ from fovea.engine.structured.spec import StructuredOutputError
 from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.engine.vision.image_encoder import start_worker
 from fovea.errors import FoveaError, InvalidRequest
-from fovea.model.loader import LoadedModel
-from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch
+from fovea.loading.loader import LoadedModel
+from fovea.loading.prompt import EncodedPrompt, PlaceholderMismatch
 
 log = logging.getLogger("fovea.engine.paged")
 

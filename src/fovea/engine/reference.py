@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fovea.model.loader import LoadedModel
+from fovea.loading.loader import LoadedModel
 from fovea.models.base import EncodedPrompt
 
 

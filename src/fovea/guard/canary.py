@@ -35,10 +35,10 @@ from fovea.guard.probe_images import (  # noqa: F401  (CanaryCase and PROBE_SIZE
     draw_case,
     png_bytes,
 )
+from fovea.loading.loader import LoadedModel
+from fovea.loading.prompt import EncodedPrompt, encode_prompt, render_chat
 from fovea.media import decode_image_bytes
 from fovea.media.config import MediaConfig
-from fovea.model.loader import LoadedModel
-from fovea.model.prompt import EncodedPrompt, encode_prompt, render_chat
 
 KL_FLOOR = 0.05  # nats; below this an answer does not depend on the image in any useful way
 

@@ -66,7 +66,7 @@ class CanaryImagesRefused(FoveaError):
 
 def canary_prompt(codec: PromptCodec, case: CanaryCase, size: int) -> EncodedPrompt:
     """The canary's prompt for ``case`` with a probe image of ``size``, as its requests build it."""
-    from fovea.model.prompt import encode_prompt, render_chat
+    from fovea.loading.prompt import encode_prompt, render_chat
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": case.question}]}]
     return encode_prompt(codec, render_chat(codec, messages), [draw_case(case, size)])

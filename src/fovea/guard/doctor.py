@@ -12,7 +12,7 @@ from fovea.errors import FoveaError
 from fovea.guard.checks import Check, Status
 from fovea.guard.environment import environment_checks
 from fovea.guard.memory import estimate_serving_bytes
-from fovea.model.loader import default_model_dir, inspect_model_dir, resolve_dtype
+from fovea.loading.loader import default_model_dir, inspect_model_dir, resolve_dtype
 
 
 def model_dir_check(path: Path) -> Check:
@@ -54,7 +54,7 @@ def encoder_plan_check(path: Path, device: str, dtype: str) -> Check:
     from fovea.disagg.encode_worker import EncodeService
     from fovea.engine.config import GPU_MODEL_MIN_PARAMETERS, VISION_BATCH
     from fovea.guard.memory import estimate_weight_bytes
-    from fovea.model.loader import resolve_device
+    from fovea.loading.loader import resolve_device
 
     # The vision stage a server would give its workers: fused on a GPU for 1 B+ parameters.
     fused = (resolve_device(device).type == "cuda"
@@ -75,7 +75,7 @@ def reference_check(loaded, engine) -> Check:
     from fovea.engine.reference import reference_logits
     from fovea.engine.sampling.params import SamplingParams
     from fovea.guard.probe_images import probe_image
-    from fovea.model.contract import probe_chat
+    from fovea.loading.contract import probe_chat
 
     prompt = loaded.codec.encode(loaded.codec.render(probe_chat(1, "probe")), [probe_image()])
 
@@ -112,8 +112,8 @@ def reference_check(loaded, engine) -> Check:
 def contract_checks(path: Path, device: str, dtype: str, engine_config=None,
                     report: dict | None = None) -> list[Check]:
     """Load the model as `fovea serve` would, check its contract and plan its memory."""
-    from fovea.model.contract import ContractError, check_contract
-    from fovea.model.loader import load_model
+    from fovea.loading.contract import ContractError, check_contract
+    from fovea.loading.loader import load_model
 
     try:
         loaded = load_model(path, device, dtype)

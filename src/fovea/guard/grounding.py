@@ -23,7 +23,7 @@ import torch
 from fovea.engine.core.request import ErrorEvent, FinishEvent, PromptScoring
 from fovea.engine.sampling.params import SamplingParams
 from fovea.guard.canary import kl_divergence
-from fovea.model.loader import LoadedModel
+from fovea.loading.loader import LoadedModel
 from fovea.models.base import EncodedPrompt, with_text_tokens
 
 SCORED_TOKENS = 8

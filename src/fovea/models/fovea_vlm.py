@@ -362,7 +362,7 @@ AutoModel.register(FoveaVLMConfig, FoveaVLMForConditionalGeneration, exist_ok=Tr
 def encode_images(loaded: Any, pixel_values: torch.Tensor) -> torch.Tensor:
     """fovea's vision stage: [n, 3, S, S] -> [n, tokens, text hidden] in the model dtype. A
     CLIP-style tower runs layer by layer up to the deepest feature layer (``model.vision``)."""
-    from fovea.model.vision import select_features, tower_hidden_states
+    from fovea.models.clip_vision import select_features, tower_hidden_states
 
     model, config = loaded.model, loaded.model.config
     tower = getattr(model.vision_tower, "vision_model", model.vision_tower)

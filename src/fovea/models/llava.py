@@ -2,7 +2,7 @@
 
 Every image is resized and cropped to the tower's ``image_size`` and fills the same number of
 tokens (576 for LLaVA-1.5 at 336 px). The vision stage runs transformers' own modules layer by
-layer (``fovea.model.vision``); on CUDA the engine may swap in the fused kernels of
+layer (``fovea.models.clip_vision``); on CUDA the engine may swap in the fused kernels of
 ``engine.vision.vision_fused`` or graphs of ``engine.vision.vision_graphs``, both checked against it.
 """
 
@@ -121,7 +121,7 @@ class LlavaAdapter(ModelAdapter):
                 "model.multi_modal_projector": LlavaMultiModalProjector(config)}
 
     def vision_forward(self, loaded: Any) -> Callable[[list[ImageInput]], list[torch.Tensor]]:
-        from fovea.model.vision import encode_images
+        from fovea.models.clip_vision import encode_images
 
         return stacked(functools.partial(encode_images, loaded))
 

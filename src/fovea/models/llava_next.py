@@ -177,7 +177,7 @@ class LlavaNextAdapter(LlavaAdapter):
                 "model.multi_modal_projector": LlavaNextMultiModalProjector(config)}
 
     def vision_forward(self, loaded: Any) -> Callable[[list[ImageInput]], list[torch.Tensor]]:
-        from fovea.model.vision import encode_images
+        from fovea.models.clip_vision import encode_images
 
         config = loaded.model.config
         packer = SimpleNamespace(config=config)  # pack_image_features reads only self.config

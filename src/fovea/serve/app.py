@@ -15,9 +15,9 @@ from fovea.engine.memory.plan import check_weights_fit
 from fovea.engine.runner import kernel_selfcheck
 from fovea.guard.canary_fit import ANSWER_TOKENS, PROBE_SIZE, CanaryFit
 from fovea.guard.memory import estimate_weight_bytes
+from fovea.loading.contract import ModelContract, check_contract, vision_row_width
+from fovea.loading.loader import LoadedModel, default_model_dir, load_model, resolve_device, resolve_dtype
 from fovea.logs import RequestIdMiddleware
-from fovea.model.contract import ModelContract, check_contract, vision_row_width
-from fovea.model.loader import LoadedModel, default_model_dir, load_model, resolve_device, resolve_dtype
 from fovea.serve.body_limit import BodyLimitMiddleware
 from fovea.serve.canary_lifecycle import canary_runner, lifespan
 from fovea.serve.chat import make_chat_router

@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from fovea.errors import FoveaError, InvalidRequest
+from fovea.loading.prompt import EncodedPrompt, PlaceholderMismatch, render_chat
 from fovea.media.video import load_video_bytes
-from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch, render_chat
 from fovea.models.base import EncodeOptions
 from fovea.serve.generation import respond
 from fovea.serve.protocol import ChatCompletionRequest, ChatMessage, ImageURLPart, VideoURLPart

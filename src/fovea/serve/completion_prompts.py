@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from fovea.engine.core.request import ErrorEvent, Event, FinishEvent, PromptScoring, Submission
 from fovea.errors import FoveaError, InvalidRequest
-from fovea.model.prompt import EncodedPrompt, PlaceholderMismatch
+from fovea.loading.prompt import EncodedPrompt, PlaceholderMismatch
 from fovea.serve import protocol
 from fovea.serve.generation import (
     TEXT,

@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from fovea.errors import FoveaError, InvalidRequest
-from fovea.model.prompt import EncodedPrompt, render_chat
+from fovea.loading.prompt import EncodedPrompt, render_chat
 from fovea.models.base import EncodeOptions
 from fovea.serve.chat import (
     check_model_name,

@@ -24,7 +24,7 @@ from fovea.engine.structured.spec import GrammarSpec
 from fovea.errors import FoveaError, InvalidRequest
 from fovea.guard.canary import KL_FLOOR
 from fovea.guard.grounding import answer_dependence
-from fovea.model.prompt import EncodedPrompt
+from fovea.loading.prompt import EncodedPrompt
 from fovea.serve import protocol
 from fovea.serve.event_stream import EventStream, sse
 from fovea.serve.logprobs_format import LogprobFormatter, prompt_logprobs

@@ -34,9 +34,9 @@ from PIL import Image
 
 from fovea.disagg.parent_watch import exit_with_parent
 from fovea.errors import FoveaError
+from fovea.loading.contract import fingerprint, recipe_of
 from fovea.media import MediaConfig, decode_image_bytes
 from fovea.media.video import DecodedVideo, decode_video_bytes
-from fovea.model.contract import fingerprint, recipe_of
 from fovea.models.base import DEFAULT_OPTIONS, EncodedPrompt, EncodeOptions, PromptCodec
 
 log = logging.getLogger("fovea.serve")

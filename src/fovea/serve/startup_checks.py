@@ -20,7 +20,7 @@ from fovea.guard.canary_fit import PROBE_SIZE, CanaryFit, CanaryTooLong, fit_can
 
 if TYPE_CHECKING:
     from fovea.engine.engine import PagedEngine
-    from fovea.model.loader import LoadedModel
+    from fovea.loading.loader import LoadedModel
 
 
 class StartupRefused(FoveaError):
@@ -34,7 +34,7 @@ def check_before_load(settings: ServerSettings, *, front: bool = False) -> None:
     with STARTUP.phase("GPU share"):
         check_gpu_share(settings, front)
     if settings.canary and (settings.max_model_len is not None or media_refusal(PROBE_SIZE, settings.media)):
-        from fovea.model.loader import load_codec
+        from fovea.loading.loader import load_codec
 
         try:
             with STARTUP.phase("canary against the limits"):
@@ -72,7 +72,7 @@ def check_gpu_share(settings: ServerSettings, front: bool) -> None:
     elif front:
         return
     else:
-        from fovea.model.loader import resolve_device
+        from fovea.loading.loader import resolve_device
 
         device = str(resolve_device(settings.device))
     if not device.startswith("cuda"):

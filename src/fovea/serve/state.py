@@ -8,9 +8,9 @@ from typing import Any
 from fovea.config import ServerSettings
 from fovea.engine.engine import PagedEngine
 from fovea.guard.canary import Canary
+from fovea.loading.contract import ModelContract
+from fovea.loading.loader import LoadedModel
 from fovea.media import ImageStore, MediaResolver
-from fovea.model.contract import ModelContract
-from fovea.model.loader import LoadedModel
 from fovea.serve.metrics import Metrics
 from fovea.serve.preprocess import Preprocessor
 from fovea.serve.structured import build_grammar_compiler

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from fovea.model.loader import LoadedModel
+    from fovea.loading.loader import LoadedModel
 
 
 # ---- fused vision stage: random-weight models ----------------------------------------------------
@@ -26,7 +26,7 @@ def random_llava(vision: dict, text_hidden: int, device: torch.device | str, dty
     1 +- 0.1, biases N(0, 0.1)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from fovea.model.loader import LoadedModel
+    from fovea.loading.loader import LoadedModel
     from fovea.models.llava import LlavaAdapter
 
     text = LlamaConfig(vocab_size=64, hidden_size=text_hidden, intermediate_size=64, num_hidden_layers=1,

@@ -27,7 +27,7 @@ import torch
 from transformers import LlamaConfig, Qwen2Config
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from fovea.model.clip_processor import make_clip_image_processor
+from fovea.models.clip_processor import make_clip_image_processor
 from fovea.models.fovea_vlm import FoveaVLMConfig, FoveaVLMForConditionalGeneration
 from fovea.testing.random_llava import (
     CHAT_TEMPLATE,

@@ -37,7 +37,7 @@ from transformers import (
 )
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from fovea.model.clip_processor import make_clip_image_processor
+from fovea.models.clip_processor import make_clip_image_processor
 
 UNK, BOS, EOS, IMAGE, PAD = "<unk>", "<s>", "</s>", "<image>", "<pad>"
 VOCAB = 32064  # llava-hf/llava-1.5-7b-hf: Llama's 32,000 plus <image>, <pad> and 62 spare rows

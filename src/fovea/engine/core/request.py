@@ -17,7 +17,7 @@ import torch
 
 from fovea.engine.sampling.params import MAX_LOGPROBS, SamplingParams
 from fovea.errors import InvalidRequest, Overloaded
-from fovea.model.prompt import EncodedPrompt
+from fovea.loading.prompt import EncodedPrompt
 
 
 @dataclass(slots=True)

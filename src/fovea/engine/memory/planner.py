@@ -53,7 +53,7 @@ from fovea.startup_clock import STARTUP
 if TYPE_CHECKING:
     from fovea.engine.config import PagedEngineConfig
     from fovea.engine.model.llama import PagedLlama
-    from fovea.model.loader import LoadedModel
+    from fovea.loading.loader import LoadedModel
 
 log = logging.getLogger("fovea.engine.paged")
 

@@ -34,7 +34,7 @@ from fovea.engine.vision.embeddings import PromptEmbedder
 from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.engine.vision.vision_graphs import try_graphed_vision
 from fovea.engine.vision.vision_stage import choose_vision_stage
-from fovea.model.loader import LoadedModel
+from fovea.loading.loader import LoadedModel
 from fovea.startup_clock import STARTUP
 
 log = logging.getLogger("fovea.engine.paged")

@@ -16,7 +16,7 @@ from fovea.engine.model.llama import PagedLlama
 from fovea.engine.transfer import to_device
 from fovea.engine.vision.encoder_cache import EncoderCache
 from fovea.engine.vision.image_encoder import ImageEncoder, check_image_row_count
-from fovea.model.loader import LoadedModel
+from fovea.loading.loader import LoadedModel
 
 
 class PromptEmbedder:

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 import torch
 
 from fovea.engine.vision.encoder_cache import EncoderCache
-from fovea.model.loader import LoadedModel
+from fovea.loading.loader import LoadedModel
 from fovea.models.base import EncodedPrompt, ImageInput, PlaceholderMismatch
 
 MAX_PREFETCHED = 4096  # images encoded ahead and not yet taken

@@ -1,6 +1,6 @@
 """A fused forward of the vision stage (CLIP-style tower up to the feature layer + projector).
 
-``fovea.model.vision.encode_images`` runs transformers' CLIP modules layer by layer. On an
+``fovea.models.clip_vision.encode_images`` runs transformers' CLIP modules layer by layer. On an
 H200 at batch 32 (LLaVA-1.5-7B, ViT-L/14 at 336 px) half of its time goes to memory-bound
 elementwise work outside the matrix products: quick_gelu is three kernels over a
 [tokens, 4096] tensor, each residual add and LayerNorm is its own kernel, and q/k/v are
@@ -37,8 +37,8 @@ from torch import nn
 from fovea.engine.kernels import triton_util
 from fovea.engine.kernels.vision_kernels import GELU, QUICK_GELU, activation, add_layer_norm, layer_norm
 from fovea.engine.model.weights import fuse_rows
-from fovea.model.loader import LoadedModel
-from fovea.model.vision import encode_images, select_features, vision_modules
+from fovea.loading.loader import LoadedModel
+from fovea.models.clip_vision import encode_images, select_features, vision_modules
 
 log = logging.getLogger("fovea.engine")
 

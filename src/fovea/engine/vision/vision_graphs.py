@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 
 from fovea.engine.runner.cuda_graphs import bucket_for, capture_sizes
-from fovea.model.loader import LoadedModel
-from fovea.model.vision import encode_images, vision_modules
+from fovea.loading.loader import LoadedModel
+from fovea.models.clip_vision import encode_images, vision_modules
 
 log = logging.getLogger("fovea.engine")
 

@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse
 from fovea.engine.core.request import ErrorEvent, FinishEvent, Submission, TokenEvent
 from fovea.engine.sampling.params import SamplingParams
 from fovea.errors import FoveaError, InvalidRequest
+from fovea.loading.prompt import EncodedPrompt, render_chat
 from fovea.media.errors import ImageNotFound
 from fovea.media.store import is_image_id
-from fovea.model.prompt import EncodedPrompt, render_chat
 from fovea.models.base import EncodeOptions
 from fovea.serve.chat import (
     check_model_name,

@@ -21,7 +21,7 @@ from transformers import AutoConfig
 
 from fovea.disagg.encoder_plan import MARGIN_BYTES, header_bytes, refuse_unless_fits
 from fovea.errors import ModelLoadError
-from fovea.model.loader import inspect_model_dir, is_position_buffer, resolve_device, resolve_dtype
+from fovea.loading.loader import inspect_model_dir, is_position_buffer, resolve_device, resolve_dtype
 from fovea.models import ModelAdapter, adapter_for
 
 

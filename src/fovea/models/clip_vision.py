@@ -8,9 +8,12 @@ selection (which hidden layer, whether to drop CLS) is spelled out here, from th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from fovea.model.loader import LoadedModel
+if TYPE_CHECKING:  # (loading imports the adapters: a runtime import here would be a circle)
+    from fovea.loading.loader import LoadedModel
 
 
 def vision_modules(loaded: LoadedModel) -> tuple[torch.nn.Module, torch.nn.Module]:

@@ -33,7 +33,7 @@ from transformers import AutoImageProcessor
 
 from fovea.errors import ModelLoadError
 from fovea.guard.probe_images import probe_image
-from fovea.model.loader import LoadedModel, is_position_buffer
+from fovea.loading.loader import LoadedModel, is_position_buffer
 from fovea.models.base import EncodedPrompt
 
 log = logging.getLogger("fovea.contract")
