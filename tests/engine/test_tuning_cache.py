@@ -91,3 +91,15 @@ def test_it_can_be_switched_off(monkeypatch) -> None:
     assert tuning_cache.enabled()
     monkeypatch.setenv("FOVEA_TUNING_CACHE", "0")
     assert not tuning_cache.enabled()
+
+
+def test_a_shape_met_where_nothing_can_be_timed_keeps_no_choice(monkeypatch) -> None:
+    """Inside a graph capture (or interpreted) a new shape runs the default configuration, and
+    that untimed default is neither kept nor written to the cache: a later use times it."""
+    launched = []
+    monkeypatch.setattr(triton_ops, "_cannot_time", lambda: True)
+    monkeypatch.setattr(triton_ops, "gemv_launch", lambda x, w, *config: launched.append(config) or x)
+    triton_ops.gemv(torch.zeros(2, 8), torch.zeros(4, 8))
+    assert launched == [(*triton_ops.GEMV_CONFIGS[0], triton_ops.GEMV_STAGES)]
+    assert triton_ops._GEMV_CONFIG == {}
+    assert not TuningCache(KEY).save()  # nothing timed: no file

@@ -188,11 +188,14 @@ def gemv_key(x: torch.Tensor, weight: torch.Tensor) -> tuple:
     return (x.shape[0], weight.shape[0], weight.shape[1], str(x.dtype).removeprefix("torch."))
 
 
+def _cannot_time() -> bool:
+    """Under the CPU interpreter or inside a graph capture nothing can be timed: a shape met there
+    gets a default that is not kept (nor written to the tuning cache), so a later use times it."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_current_stream_capturing()
+
+
 def _fastest_gemv_config(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
-    """Time every configuration on this shape (the first one, untimed, under the CPU
-    interpreter or inside a graph capture, where nothing can be timed)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_current_stream_capturing():
-        return GEMV_CONFIGS[0]
+    """Time every configuration on this shape; the fastest."""
     import triton
 
     times = [triton.testing.do_bench(lambda c=c: gemv_launch(x, weight, *c, GEMV_STAGES), warmup=5, rep=25)
@@ -206,7 +209,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     key = gemv_key(x, weight)
     config = _GEMV_CONFIG.get(key)
     if config is None:
-        config = _GEMV_CONFIG[key] = _fastest_gemv_config(x, weight)
+        if _cannot_time():
+            config = GEMV_CONFIGS[0]
+        else:
+            config = _GEMV_CONFIG[key] = _fastest_gemv_config(x, weight)
     return gemv_launch(x, weight, *config, GEMV_STAGES)
 
 
@@ -226,8 +232,6 @@ def _triton_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Time both on this shape once (weights streamed from memory, as in a decode step)."""
     import triton
 
-    if torch.cuda.is_current_stream_capturing() or os.environ.get("TRITON_INTERPRET") == "1":
-        return False  # nothing to time: inside a graph capture (the warm-up before it decided), or interpreted
     t_triton = triton.testing.do_bench(lambda: gemv(x, weight), warmup=5, rep=20)
     t_cublas = triton.testing.do_bench(lambda: F.linear(x, weight), warmup=5, rep=20)
     log.debug("matrix-vector %sx%s rows=%d: triton %.1f us, cuBLAS %.1f us", weight.shape[0], weight.shape[1],
@@ -242,8 +246,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and weight.is_contiguous()):
         key = gemv_key(x, weight)
         use = _GEMV_CHOICE.get(key)
-        if use is None:
-            use = _GEMV_CHOICE[key] = _triton_gemv_is_faster(x, weight)
+        if use is None:  # (inside a graph capture the warm-up before it decided; else cuBLAS, not kept)
+            use = False if _cannot_time() else _GEMV_CHOICE.setdefault(key, _triton_gemv_is_faster(x, weight))
         if use:
             return gemv(x, weight)
     return F.linear(x, weight, bias)
