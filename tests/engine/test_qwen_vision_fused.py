@@ -8,6 +8,7 @@ Kernel tests run where triton imports and either CUDA is present or TRITON_INTER
 the torch twins off CUDA. FOVEA_TEST_DEVICE=cuda loads the models on the GPU (Triton kernels,
 flash variable-length attention in half precision)."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -22,6 +23,7 @@ from fovea.engine.vision.qwen_vision_fused import (
     QWEN2_5,
     QWEN3,
     QwenFusedVision,
+    mlp_width_multiple,
     sample_images,
     startup_problem,
     supports,
@@ -232,6 +234,26 @@ def test_gate_and_up_become_views_of_one_tensor(models):
     assert mlp.up_proj.weight.data_ptr() == stacked[mlp.gate_proj.out_features:].data_ptr()
     assert torch.equal(loaded.adapter.vision_forward(loaded)(images)[0], before)  # transformers' forward intact
     assert QwenFusedVision(loaded).blocks[0].fc1_weight.data_ptr() == stacked.data_ptr()  # fused once only
+
+
+def test_an_mlp_width_the_products_take_slowly_is_padded_with_zeros(tmp_path, monkeypatch):
+    """Qwen2.5-VL-7B's 3,420-wide MLP (rows not a multiple of 16 bytes) runs padded to 3,456:
+    gate/up gain zero rows, down zero columns, transformers' parameters stay views of the real
+    part, and the rows equal the eager forward's."""
+    odd = dataclasses.replace(random_qwen2_5_vl.ARCHITECTURES["tiny"], vision_intermediate=60)
+    monkeypatch.setitem(random_qwen2_5_vl.ARCHITECTURES, "tiny-odd-mlp", odd)
+    loaded = sharpened(load_model(random_qwen2_5_vl.write_model_dir(tmp_path, arch="tiny-odd-mlp", seed=5),
+                                  TEST_DEVICE, "float32"))
+    fused = QwenFusedVision(loaded)
+    mlp, block = loaded.model.model.visual.blocks[0].mlp, fused.blocks[0]
+    assert mlp_width_multiple(60) == 128 and mlp_width_multiple(64) == 1
+    assert block.fc1_weight.shape[0] == 2 * 128 and block.fc2_weight.shape[1] == 128
+    assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (60, mlp.gate_proj.in_features)
+    assert mlp.up_proj.weight.data_ptr() == block.fc1_weight[128:].data_ptr()
+    assert mlp.down_proj.weight.shape[1] == 60 and mlp.down_proj.weight.data_ptr() == block.fc2_weight.data_ptr()
+    assert not block.fc1_weight[60:128].any() and not block.fc2_weight[:, 60:].any()
+    check_stage(loaded, fused, GRIDS)
+    assert QwenFusedVision(loaded).blocks[0].fc2_weight.data_ptr() == block.fc2_weight.data_ptr()  # padded once
 
 
 def test_the_startup_check_catches_a_wrong_window_order(models, monkeypatch):

@@ -264,7 +264,9 @@ def test_the_profile_images_fit_a_prompt_of_max_tokens(qwen):
     capped = adapter.dummy_images(None, codec, 2, max_tokens=largest.num_tokens // 4)
     assert len(capped) == 2
     for image in capped:
-        t, h, w = image.grid
+        _, h, w = image.grid
         assert image.num_tokens <= largest.num_tokens // 4 < largest.num_tokens
         assert image.num_tokens == h * w // 4 and image.pixels.shape[0] == h * w
     assert adapter.dummy_images(None, codec, 1, max_tokens=10 ** 9)[0].grid == largest.grid
+    on_meta = adapter.dummy_images(None, codec, 1, device="meta")[0]  # made where asked: no host pixels
+    assert on_meta.pixels.device.type == "meta" and on_meta.pixels.shape == largest.pixels.shape

@@ -292,16 +292,18 @@ class ModelAdapter(ABC):
         return None
 
     def dummy_images(self, config: Any, codec: PromptCodec | None, count: int,
-                     max_tokens: int | None = None) -> list[ImageInput]:
+                     max_tokens: int | None = None, device: torch.device | str = "cpu") -> list[ImageInput]:
         """``count`` random images of the largest size the processor produces (memory profiles),
         and for dynamic-resolution families of at most ``max_tokens`` image tokens each (a prompt
         cannot hold a larger one: the profile runs only what the scheduler can form).
-        Fixed-resolution towers: their one shape; dynamic-resolution families override this."""
+        Fixed-resolution towers: their one shape; dynamic-resolution families override this.
+        ``device``: where the random pixels are made (the largest image is ~75 M values: seconds
+        on the host, nothing on a GPU)."""
         shape = self.fixed_image_shape(config)
         if shape is None:
             raise TypeError(f"{type(self).__name__} has no fixed image shape: it must override dummy_images")
         dtype = codec.dtype if codec is not None else torch.float32
-        return [ImageInput(torch.randn(shape, dtype=dtype), 0, f"profile-{i}") for i in range(count)]
+        return [ImageInput(torch.randn(shape, dtype=dtype, device=device), 0, f"profile-{i}") for i in range(count)]
 
     @abstractmethod
     def widths(self, model: torch.nn.Module) -> WidthReport: ...

@@ -200,7 +200,8 @@ class LlavaNextAdapter(LlavaAdapter):
     def fixed_image_shape(self, config: Any) -> tuple[int, ...] | None:
         return None  # each image has its own number of tiles
 
-    def dummy_images(self, config: Any, codec: Any, count: int, max_tokens: int | None = None) -> list[ImageInput]:
+    def dummy_images(self, config: Any, codec: Any, count: int, max_tokens: int | None = None,
+                     device: torch.device | str = "cpu") -> list[ImageInput]:
         """Images the size of the pinpoint with the most tiles and tokens (the memory plan's largest)
         among those of at most ``max_tokens`` tokens (the smallest one if none is)."""
         assert codec is not None, "the largest image comes from the processor's image_grid_pinpoints"
@@ -212,7 +213,7 @@ class LlavaNextAdapter(LlavaAdapter):
         fitting = [o for o in options if max_tokens is None or o[0][1] <= max_tokens]
         (tiles, tokens), size = max(fitting) if fitting else min(options, key=lambda o: o[0][1])
         channels = int(getattr(config.vision_config, "num_channels", 3))
-        return [ImageInput(torch.randn((tiles, channels, side, side), dtype=codec.dtype), tokens, f"profile-{i}",
+        return [ImageInput(torch.randn((tiles, channels, side, side), dtype=codec.dtype, device=device), tokens, f"profile-{i}",
                            (tiles, *size)) for i in range(count)]
 
     def reference_inputs(self, prompt: EncodedPrompt, device: torch.device, image_token_id: int) -> dict[str, Any]:

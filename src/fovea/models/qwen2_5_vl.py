@@ -475,7 +475,7 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         return out if isinstance(out, torch.Tensor) else out.pooler_output
 
     def dummy_images(self, config: Any, codec: PromptCodec | None, count: int,
-                     max_tokens: int | None = None) -> list[ImageInput]:
+                     max_tokens: int | None = None, device: torch.device | str = "cpu") -> list[ImageInput]:
         assert codec is not None, "the largest image comes from the processor's max_pixels"
         ip = codec.image_processor
         patch, merge, temporal = int(ip.patch_size), int(ip.merge_size), int(ip.temporal_patch_size)
@@ -485,7 +485,7 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         width = 3 * temporal * patch * patch
         out = []
         for index in range(count):
-            pixels = torch.randn((side * side, width), dtype=codec.dtype)
+            pixels = torch.randn((side * side, width), dtype=codec.dtype, device=device)
             out.append(ImageInput(pixels, side * side // (merge * merge), f"profile-{index}", (1, side, side)))
         return out
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from fovea.engine.kernels import triton_util
 from fovea.engine.kernels.qwen_vision_kernels import TorchOps, TritonOps
-from fovea.engine.model.weights import fuse_rows
+from fovea.engine.model.weights import fuse_rows, pad_columns
 from fovea.engine.vision.qwen_vision_layout import GridLayouts
 from fovea.engine.vision.varlen_attention import GROUPED, varlen_attention, varlen_backend
 from fovea.engine.vision.vision_fused import MODEL_TOLERANCE, relative_error
@@ -162,6 +162,7 @@ class Block:
     fc1_weight: torch.Tensor  # Qwen2.5-VL: gate and up stacked by rows; Qwen3-VL: linear_fc1
     fc1_bias: torch.Tensor | None
     fc2: nn.Linear
+    fc2_weight: torch.Tensor  # fc2's weight, with zero columns where fc1 has padding rows
     act: str
     heads: int
     scale: float
@@ -172,13 +173,21 @@ class Block:
         attn, mlp = block.attn, block.mlp
         head_dim = attn.qkv.out_features // 3 // attn.num_heads
         scale = float(getattr(attn, "scaling", None) or head_dim ** -0.5)
-        if kind == QWEN2_5:
-            pair = [mlp.gate_proj, mlp.up_proj]
-            fc1_weight, fc1_bias, fc2 = fuse_rows(pair, "weight"), fuse_rows(pair, "bias"), mlp.down_proj
-        else:
-            fc1_weight, fc1_bias, fc2 = mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2
-        return cls(_norm(block.norm1), _norm(block.norm2), attn.qkv, attn.proj, fc1_weight, fc1_bias, fc2,
-                   _activation(mlp.act_fn) or "", attn.num_heads, scale, full)
+        first = [mlp.gate_proj, mlp.up_proj] if kind == QWEN2_5 else [mlp.linear_fc1]
+        fc2 = mlp.down_proj if kind == QWEN2_5 else mlp.linear_fc2
+        multiple = mlp_width_multiple(fc2.in_features)
+        return cls(_norm(block.norm1), _norm(block.norm2), attn.qkv, attn.proj,
+                   fuse_rows(first, "weight", multiple), fuse_rows(first, "bias", multiple), fc2,
+                   pad_columns(fc2, multiple), _activation(mlp.act_fn) or "", attn.num_heads, scale, full)
+
+
+def mlp_width_multiple(width: int) -> int:
+    """What the MLP's hidden width is padded to. Qwen2.5-VL's 3,420 makes rows of 6,840 bytes, not a
+    multiple of 16, and cuBLAS then runs the down product with an sm80 kernel at a quarter of the
+    H200's rate (1.58 of the 3.9 ms of products per block on a batch of 8 1280x720 images,
+    profiled). Zero rows in
+    gate/up and zero columns in down change no value."""
+    return 1 if width % 8 == 0 else 128
 
 
 def _norm(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float]:
@@ -286,7 +295,7 @@ class QwenFusedVision:
             hidden = self.ops.gelu_tanh(hidden)
         else:
             hidden = self.ops.gelu(hidden)
-        return F.linear(hidden, block.fc2.weight, block.fc2.bias)
+        return F.linear(hidden, block.fc2_weight, block.fc2.bias)
 
     def _merge(self, x: torch.Tensor) -> torch.Tensor:
         """The merger after its norm (``x``: the normed rows)."""
