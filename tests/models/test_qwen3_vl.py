@@ -131,6 +131,22 @@ def test_greedy_tokens_equal_transformers_generate(qwen3, overlap):
         assert_close_to_model(finish.first_logprobs, ref, qwen3.model.config, len(prompt.input_ids))
 
 
+def test_vision_rows_equal_transformers_get_image_features(qwen3):
+    """The adapter's rows (merged embedding, then each DeepStack level) are what transformers'
+    ``get_image_features`` returns, whichever shape it returns them in (5.x: split per image)."""
+    prompt = chat(qwen3, [noise(300, 200, 40), noise(64, 90, 41)])
+    rows = torch.cat(qwen3.adapter.vision_forward(qwen3)(prompt.images))
+    with torch.inference_mode():
+        out = qwen3.model.model.get_image_features(
+            pixel_values=torch.cat([image.pixels for image in prompt.images]),
+            image_grid_thw=torch.tensor([image.grid for image in prompt.images]))
+    theirs = qwen3.adapter.vision_rows(out)
+    levels = len(qwen3.model.config.vision_config.deepstack_visual_indexes)
+    assert theirs.shape == rows.shape == (sum(prompt.image_token_counts),
+                                          (1 + levels) * qwen3.model.config.text_config.hidden_size)
+    assert torch.equal(theirs, rows)
+
+
 def test_deepstack_features_reach_the_language_model(qwen3, monkeypatch):
     """Without the DeepStack adds the engine's answer moves away from transformers': the parity
     above depends on them."""

@@ -174,12 +174,14 @@ class Qwen3Codec(QwenCodec):
 
 def vision_rows(out: Any) -> torch.Tensor:
     """[tokens, (1 + levels) * hidden]: the merged embedding, then each DeepStack level's features.
-    transformers 5.x returns an output object; 4.57 returned (merged, [features per level])."""
+    transformers 5.x returns an output object (``get_image_features``: the merged embedding and each
+    level split per image); 4.57 returned (merged, [features per level])."""
     if isinstance(out, tuple):
         merged, levels = out[0], list(out[1] or [])
     else:
         merged, levels = out.pooler_output, list(out.deepstack_features or [])
-    return torch.cat([merged, *levels], dim=-1)
+    joined = [torch.cat(list(t)) if isinstance(t, (tuple, list)) else t for t in (merged, *levels)]
+    return torch.cat(joined, dim=-1)
 
 
 class Qwen3_VLAdapter(Qwen2_5_VLAdapter):
