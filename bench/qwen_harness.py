@@ -112,6 +112,31 @@ def startup_line(server: Server) -> str:
     return ""
 
 
+def engine_counters(url: str) -> dict[str, float]:
+    """The engine's step counters from /metrics: steps, each phase's seconds, the vision GPU time."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == "fovea_engine_steps_total" or name.startswith("fovea_engine_step_phase_seconds_total"):
+            out[name.split('phase="')[-1].rstrip('"}') if "phase" in name else "steps"] = float(value)
+        elif name == "fovea_vision_encoder_latency_ms_sum":
+            out["vision_gpu_s"] = float(value) / 1000
+    return out
+
+
+def engine_split(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: round(after[key] - before.get(key, 0.0), 3) for key in after}
+
+
+def single_ttft(url: str, name: str, args, words: Callable[[int], str], count: int = 7) -> dict:
+    """One request at a time, one image of ``--burst-size``, 16 tokens: TTFT median and spread."""
+    bodies = [load.chat_body(name, 900_000 + i, words(i), 16, images=1, size=args.burst_size) for i in range(count + 1)]
+    results = asyncio.run(load.sequential(url, bodies))[1:]  # the first warms this client's connection
+    ttfts = sorted(1e3 * r.ttft_s for r in results if r.ok)
+    return {"ttft_ms_p50": ttfts[len(ttfts) // 2] if ttfts else None, "ttft_ms": ttfts,
+            "failed": sum(not r.ok for r in results), "of": len(results)}
+
+
 def serve_section(model_dir: Path, args, out: Path, topology: str, words: Callable[[int], str]) -> dict:
     extra = ["--max-model-len", str(args.max_model_len), *args.server_args.split()]
     if topology == "e_pd":
@@ -129,21 +154,27 @@ def serve_section(model_dir: Path, args, out: Path, topology: str, words: Callab
         warm = [load.chat_body(name, 10_000 + i, words(i), 8, images=args.images, size=args.burst_size)
                 for i in range(4)]
         load_procs.burst(server.url, warm, processes=2)
-        runs, clients = [], []
+        runs, clients, splits = [], [], []
         for run in range(args.runs):
             first = 100_000 * (run + 1)
             bodies = load_procs.chat_bodies([(name, first + i, words(first + i), MAX_TOKENS, args.images,
                                               args.burst_size) for i in range(args.burst)])
+            before = engine_counters(server.url)
             sent = load_procs.burst(server.url, bodies, processes=args.client_processes)
+            split = engine_split(before, engine_counters(server.url))
             summary = load.summarize(sent.results, sent.wall_s)
             runs.append(summary)
             clients.append(sent.client)
+            splits.append(split)
             log(f"{topology} burst {run + 1}: {summary.tok_s:.0f} tok/s, {summary.failed} failed, TTFT p50 "
                 f"{summary.ttft_p50_ms:.0f} p99 {summary.ttft_p99_ms:.0f} ms, TPOT p50 {summary.tpot_p50_ms:.1f} "
-                f"p99 {summary.tpot_p99_ms:.1f} ms {summary.errors}; {load_procs.describe(sent.client)}")
+                f"p99 {summary.tpot_p99_ms:.1f} ms {summary.errors}; {load_procs.describe(sent.client)}; "
+                f"wall {sent.wall_s:.2f} s, engine: {split}")
         median = sorted(runs, key=lambda s: s.tok_s)[len(runs) // 2]
         result["burst"] = {**median.__dict__, "tok_s": median.tok_s, "runs_tok_s": [s.tok_s for s in runs],
-                           "failed_total": sum(s.failed for s in runs), "clients": clients}
+                           "failed_total": sum(s.failed for s in runs), "clients": clients, "engine": splits}
+        result["single"] = single_ttft(server.url, name, args, words)
+        log(f"{topology} one request, one {args.burst_size[0]}x{args.burst_size[1]} image: TTFT {result['single']}")
         result["memory"] = httpx.get(server.url + "/health", timeout=30).json().get("memory")
     except Exception as exc:  # noqa: BLE001 - reported as a problem, the other sections still run
         result["error"] = f"{type(exc).__name__}: {exc}; log tail: {server.tail()}"
@@ -394,6 +425,11 @@ def main(family: FamilyBench, doc: str) -> int:
                           "", ""))
             table.append((f"serve {topology}", "TPOT p50 / p99 ms", f"{b['tpot_p50_ms']:.1f} / {b['tpot_p99_ms']:.1f}",
                           "", ""))
+            single = r["single"]
+            if single["failed"]:
+                problems.append(f"{topology}: {single['failed']} of {single['of']} single requests failed")
+            ttft = f"{single['ttft_ms_p50']:.1f}" if single["ttft_ms_p50"] is not None else "none"
+            table.append((f"serve {topology}", "one request, one image: TTFT ms", ttft, "", "goal 40 ms"))
     if sections & {"vision", "check"}:
         from fovea.loading.loader import load_model
 

@@ -74,6 +74,12 @@ def test_metrics_are_scraped_after_traffic(guarded):
     assert samples["fovea_oom_recoveries_total"] == 0
     assert samples["fovea_canary_status"] == 1.0 and samples["fovea_canary_last_ablation_kl"] > 0
     assert "fovea_queue_depth" in samples
+    # The engine worker's steps and where their time went (the two answers above took steps).
+    phases = {name: value for name, value in samples.items() if name.startswith("fovea_engine_step_phase_seconds")}
+    assert samples["fovea_engine_steps_total"] >= 2
+    assert set(phases) == {f'fovea_engine_step_phase_seconds_total{{phase="{p}"}}'
+                           for p in ("schedule", "embed", "forward", "sample_wait", "emit")}
+    assert phases['fovea_engine_step_phase_seconds_total{phase="embed"}'] > 0  # two images were embedded
     assert samples["fovea_encoder_cache_hits_total"] + samples["fovea_encoder_cache_misses_total"] >= 1
 
 

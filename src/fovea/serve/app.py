@@ -63,7 +63,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
     loaded, contract = load_and_check(settings, loaded)
     # The gauges read the engine lazily, so the metrics can exist before the engine they watch.
     metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses),
-                      lambda: getattr(engine, "oom_recoveries", 0))
+                      lambda: getattr(engine, "oom_recoveries", 0), lambda: (engine.steps, dict(engine.phase_seconds)))
     config = engine_config(settings)
     pool = start_encode_workers(settings, loaded, contract, metrics, config) if settings.topology == "e_pd" else None
     try:

@@ -40,9 +40,29 @@ class _RecoveryCollector:
                                   "retried smaller, losing no request", value=self.read())
 
 
+class _StepCollector:
+    """Where the engine worker's wall time goes, summed over its steps (``PagedEngine.phase_seconds``):
+    a burst's TTFT read against these says whether it waited on vision, the forward or the host."""
+
+    def __init__(self, read: Callable[[], tuple[int, dict[str, float]]]) -> None:
+        self.read = read
+
+    def collect(self):
+        steps, phases = self.read()
+        yield CounterMetricFamily("fovea_engine_steps", "engine steps launched", value=steps)
+        family = CounterMetricFamily(
+            "fovea_engine_step_phase_seconds", "the engine worker's wall seconds per step phase: schedule (CPU), "
+            "embed (vision and prompt embeddings), forward (launching it), sample_wait (waiting for the GPU), "
+            "emit (tokens to the requests)", labels=["phase"])
+        for phase, seconds in phases.items():
+            family.add_metric([phase], seconds)
+        yield family
+
+
 class Metrics:
     def __init__(self, queue_depth: Callable[[], int], cache_counts: Callable[[], tuple[int, int]],
-                 oom_recoveries: Callable[[], int] = lambda: 0) -> None:
+                 oom_recoveries: Callable[[], int] = lambda: 0,
+                 engine_steps: Callable[[], tuple[int, dict[str, float]]] = lambda: (0, {})) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.vision_latency = Histogram("fovea_vision_encoder_latency_ms",
@@ -69,6 +89,7 @@ class Metrics:
                                "smallest image-vs-blank KL divergence (nats) in the last canary run", registry=r)
         r.register(_CacheCollector(cache_counts))
         r.register(_RecoveryCollector(oom_recoveries))
+        r.register(_StepCollector(engine_steps))
 
     def observe_finish(self, first_token_s: float | None, total_s: float, completion_tokens: int) -> None:
         if first_token_s is not None:
