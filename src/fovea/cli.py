@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--topology", choices=["agg", "e_pd"], default="agg",
                        help="agg: one process runs everything; e_pd: the vision stage in encode-worker processes "
                             "that load only the vision weights (docs/disaggregation.md)")
+    serve.add_argument("--engine-core", choices=["thread", "process"], default="thread",
+                       help="process: the engine (model, scheduler, KV cache, vision stage) in a process of its own, "
+                            "so HTTP, media and tokenisation never wait on it for the GIL; thread: in this process "
+                            "(docs/architecture.md)")
     serve.add_argument("--encode-workers", type=positive_int, default=None,
                        help="e_pd: encode-worker processes (default 1)")
     serve.add_argument("--encode-device", default=None,
@@ -242,7 +246,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         settings = ServerSettings(
             model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-            served_model_name=args.served_model_name, topology=args.topology,
+            served_model_name=args.served_model_name, topology=args.topology, engine_core=args.engine_core,
             encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, ray_address=args.ray_address,
             encode_device=args.encode_device,
             pd_workers=None if pd_worker else args.pd_workers,
@@ -291,18 +295,22 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     # Python's default 5 ms switch interval.
     sys.setswitchinterval(float(os.environ.get("FOVEA_SWITCH_INTERVAL_MS", "1")) / 1000)
     app = create_app(settings)
+    # log_config=None: keep fovea's handlers (fovea.logs), which carry the request ids.
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level=args.log_level.lower(), log_config=None, **uvicorn_options()))
+    app.state.stop_server = lambda: setattr(server, "should_exit", True)  # a graceful stop (a dead engine core)
     try:
-        # log_config=None: keep fovea's handlers (fovea.logs), which carry the request ids.
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level.lower(), log_config=None,
-                    **uvicorn_options())
-    except SystemExit:  # uvicorn's exit when the app could not start: a refusal is printed in one line
+        server.run()
+        if not server.started:
+            sys.exit(3)  # as uvicorn.run: the app could not start
+    except SystemExit:  # the app could not start: a refusal is printed in one line
         from fovea.serve.startup_checks import startup_refusal
 
         refusal = startup_refusal(app.state)
         if refusal is not None:
             raise refusal from None
         raise
-    return 0
+    return getattr(app.state, "exit_code", 0)  # 1: stopped because its engine core died
 
 
 def doctor(args: argparse.Namespace) -> int:

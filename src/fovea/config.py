@@ -25,6 +25,10 @@ class ServerSettings:
     # "agg": the vision stage in this process; "e_pd": in encode_workers processes of their
     # own (fovea.disagg: vision weights only, verified hand-off), this one prefills and decodes.
     topology: str = "agg"
+    # "process": the engine (model, scheduler, KV cache, vision stage) runs in a process of its
+    # own and this one does HTTP, media, templates and tokenisation (fovea.engine.process);
+    # "thread": the engine's worker thread runs in this process.
+    engine_core: str = "thread"
     encode_workers: int | None = None  # e_pd; None: 1
     encode_timeout_s: float | None = None  # e_pd: a worker that holds a batch longer is restarted; None: 60 s
     # e_pd: the encode workers' device (e.g. cuda:1 beside a PD worker on cuda:0); None: the PD

@@ -85,11 +85,21 @@ class StderrHandler(logging.StreamHandler):
         pass  # (StreamHandler's __init__ sets it)
 
 
+_configured: tuple[str, str] = ("info", "text")
+
+
+def configured() -> tuple[str, str]:
+    """The level and format of the last ``configure`` (what a child process should log with)."""
+    return _configured
+
+
 def configure(level: str = "info", fmt: str = "text", who: str | None = None, stream: Any = None) -> None:
     """Set up the root logger (and uvicorn's, which fovea's access lines replace).
 
     A second call replaces the handler the first one added; handlers that fovea did not add stay
     (a host program's own, or pytest's capture, which ``caplog`` reads)."""
+    global _configured
+    _configured = (level, fmt)
     formatter = JsonFormatter(who) if fmt == "json" else TextFormatter(who)
     handler = logging.StreamHandler(stream) if stream is not None else StderrHandler()
     handler.setFormatter(formatter)

@@ -61,6 +61,13 @@ class StartupClock:
                 if self._stack and self._stack[-1] == name:
                     self._stack.pop()
 
+    def merge(self, seconds: dict[str, float], depth: dict[str, int]) -> None:
+        """Phases another process ran for this one (the engine core's load, contract and engine)."""
+        with self._lock:
+            for name, value in seconds.items():
+                self.seconds[name] = self.seconds.get(name, 0.0) + value
+                self.depth.setdefault(name, depth.get(name, 0))
+
     def elapsed(self) -> float:
         """Seconds since the process started."""
         return time.time() - self.started_wall

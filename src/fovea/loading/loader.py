@@ -168,7 +168,11 @@ def refuse_partial_load(path: Path, info: dict) -> None:
         log.warning("%s: %d checkpoint tensor(s) unused by the model, e.g. %s", path, len(unexpected), unexpected[:3])
 
 
-def load_model(path: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_model(path: str | Path | None = None, device: str = "auto", dtype: str = "auto",
+               weights: bool = True) -> LoadedModel:
+    """``weights=False``: the model's structure on the meta device, no weight read (the API process
+    of a server whose engine core holds the weights: its config, generation config, processor and
+    codec are what it needs)."""
     started = time.perf_counter()
     path = Path(path) if path else default_model_dir()
     path = path.expanduser().resolve()
@@ -184,19 +188,23 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
         processor = adapter.load_processor(path)
         stages.update()
         stages.set_postfix_str("weights")
-        model, info = model_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
-                                                  output_loading_info=True)
+        if weights:
+            model, info = model_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
+                                                      output_loading_info=True)
+        else:
+            model, info = structure_only(model_class, path, torch_dtype), None
         stages.update()
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         stages.close()
         raise ModelLoadError(f"transformers could not load {path}: {exc}") from exc
-    refuse_partial_load(path, info)
+    if info is not None:
+        refuse_partial_load(path, info)
     stages.set_postfix_str(f"to {torch_device}")
     # One device for everything and one dtype for every weight: the vision tower can never be
     # left behind on another device or in another precision. Rotary-frequency buffers stay in
     # float32 (transformers computes positions with them in float32; in bfloat16 the angle at
     # position 640 is off by about a radian).
-    model.to(device=torch_device).eval()
+    model.to(device=torch_device if weights else "meta").eval()
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.is_floating_point() and tensor.dtype != torch_dtype and not is_position_buffer(name):
             tensor.data = tensor.data.to(torch_dtype)
@@ -225,12 +233,29 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
         adapter=adapter,
         codec=adapter.codec(processor, image_token_id, torch_dtype),
     )
+    if not weights:
+        return loaded
     log.info(
         "loaded %s (%s, %.1f M parameters) on device=%s dtype=%s in %.1f s",
         loaded.name, config["model_type"], sum(p.numel() for p in model.parameters()) / 1e6,
         torch_device, str(torch_dtype).removeprefix("torch."), loaded.load_seconds,
     )
     return loaded
+
+
+def structure_only(model_class: type, path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """The model built on the meta device from its config, with its generation config: every
+    module and shape, no memory, nothing read but the JSON files."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        model = model_class._from_config(config, dtype=dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:  # no generation_config.json: what from_pretrained would derive
+        model.generation_config = GenerationConfig.from_model_config(config)
+    return model
 
 
 def load_codec(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> PromptCodec:

@@ -4,11 +4,12 @@ encode workers, the engine, the canary's lifecycle, the routes)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from fovea import __version__
+from fovea import __version__, logs
 from fovea.config import ServerSettings, engine_config
 from fovea.engine import PagedEngine
 from fovea.engine.memory.plan import check_weights_fit
@@ -59,31 +60,83 @@ def check_fits_before_load(settings: ServerSettings) -> None:
 def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> FastAPI:
     """The server, composed: the model (loaded and checked against its contract), the encode
     workers (e_pd), the engine, the canary's lifecycle and the routes. ``loaded`` lets tests share
-    one loaded model between apps."""
+    one loaded model between apps; it runs the engine in this process (``--engine-core thread``).
+
+    With ``--engine-core process`` (and no ``loaded``) the model, the encode workers and the
+    engine live in the engine core's process (``engine.process``), and this process holds the
+    model's structure alone (no weights) for its processor, templates and tokenizer."""
+    if settings.engine_core == "process" and loaded is None:
+        return create_app_with_core(settings)
     loaded, contract = load_and_check(settings, loaded)
-    # The gauges read the engine lazily, so the metrics can exist before the engine they watch.
-    metrics = Metrics(lambda: engine.queue_depth, lambda: (engine.encoder_cache.hits, engine.encoder_cache.misses),
-                      lambda: getattr(engine, "oom_recoveries", 0), lambda: (engine.steps, dict(engine.phase_seconds)))
+    metrics = engine_metrics(lambda: engine)
     config = engine_config(settings)
     pool = start_encode_workers(settings, loaded, contract, metrics, config) if settings.topology == "e_pd" else None
     try:
         with STARTUP.phase("engine"):
             engine = PagedEngine(loaded, config, on_vision_seconds=lambda s: metrics.vision_latency.observe(1000 * s),
                                  remote_encoder=pool)
-        fit = None
-        if settings.canary:
-            with STARTUP.phase("canary fit"):
-                fit = fit_canary_to_engine(settings, loaded, engine)
+        fit = fit_canary(settings, loaded, engine)
     except BaseException:
         if pool is not None:  # refused at start-up: its worker processes go with it
             pool.stop()
         raise
+    return compose(settings, loaded, engine, contract, metrics, pool, fit,
+                   on_stop=pool.stop if pool is not None else lambda: None)
+
+
+def create_app_with_core(settings: ServerSettings) -> FastAPI:
+    """``create_app`` with the engine core in its own process: it loads, checks and profiles while
+    this process reads the model's structure; the routes then talk to it through ``EngineClient``."""
+    from fovea.engine.process.client import EngineClient, start_core, stop_server_on_death
+
+    level, fmt = logs.configured()
+    structure: dict = {}
+
+    def read_structure() -> None:
+        structure["loaded"] = load_model(settings.model, settings.device, settings.dtype, weights=False)
+
+    process, address, info = start_core(settings, level, fmt, while_waiting=read_structure)
+    STARTUP.merge(info.startup_seconds, info.startup_depth)
+    loaded = structure["loaded"]
+    engine = EngineClient(process, address, info, loaded.context_length)
+    metrics = engine_metrics(lambda: engine)
+    engine.on_vision_seconds = lambda s: metrics.vision_latency.observe(1000 * s)
+    engine.on_handoff = metrics.observe_handoff
+    try:
+        fit = fit_canary(settings, loaded, engine)
+        pool = engine.encode_workers if settings.topology == "e_pd" else None
+        app = compose(settings, loaded, engine, info.contract, metrics, pool, fit, on_stop=lambda: None)
+    except BaseException:
+        engine.stop()
+        raise
+    engine.on_death = stop_server_on_death(app.state)
+    return app
+
+
+def engine_metrics(engine: Callable[[], object]) -> Metrics:
+    """The metrics, reading the engine (local or the core's client) lazily: they exist before it."""
+    return Metrics(lambda: engine().queue_depth,
+                   lambda: (engine().encoder_cache.hits, engine().encoder_cache.misses),
+                   lambda: getattr(engine(), "oom_recoveries", 0),
+                   lambda: (engine().steps, dict(engine().phase_seconds)))
+
+
+def fit_canary(settings: ServerSettings, loaded: LoadedModel, engine) -> CanaryFit | None:
+    if not settings.canary:
+        return None
+    with STARTUP.phase("canary fit"):
+        return fit_canary_to_engine(settings, loaded, engine)
+
+
+def compose(settings: ServerSettings, loaded: LoadedModel, engine, contract: ModelContract, metrics: Metrics,
+            pool, fit: CanaryFit | None, on_stop: Callable[[], None]) -> FastAPI:
+    """The app around an engine: its state, the canary's lifecycle, the middleware and the routes."""
     state = ServerState.build(settings, loaded, engine, contract, metrics)
     if fit is not None:
         adapt_canary(state, fit)
     run_canary = canary_runner(state)
     app = FastAPI(title="fovea", version=__version__, redirect_slashes=False,
-                  lifespan=lifespan(state, run_canary, on_stop=pool.stop if pool is not None else lambda: None))
+                  lifespan=lifespan(state, run_canary, on_stop=on_stop))
     app.state.fovea = state
     install_error_handlers(app, on_error_code=metrics.observe_error_code)
     app.add_middleware(QuietStartupRefusal, state=app.state)

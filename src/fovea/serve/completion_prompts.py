@@ -65,6 +65,15 @@ class BatchSubmission:
         for submission in self.submissions:
             submission.cancel()
 
+    async def accepted(self) -> None:
+        """Every prompt queued (a refusal of any raises, and cancels the others)."""
+        try:
+            for submission in self.submissions:
+                await submission.accepted()
+        except BaseException:
+            self.cancel()
+            raise
+
     async def events(self) -> AsyncIterator[Event]:
         merged: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -122,6 +131,7 @@ async def respond_batch(state: ServerState, req: CompletionRequest, prompts: lis
         one.grammar = grammar
     rid = protocol.completion_id("cmpl")
     batch = admit(state, prompts, params, rid, req.prompt_scoring())
+    await batch.accepted()  # a refusal by the engine core is an HTTP error, before any stream starts
     whole = replace(params[0], n=req.n * len(prompts))  # the response's choices, over every prompt
     if req.stream:
         return event_stream(state, req, prompts, whole, rid, batch, TEXT)

@@ -216,6 +216,7 @@ async def respond(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
     twin = blank_twin if grounding else None
     if req.stream:
         submission = state.engine.submit(prompt, params, rid)  # refused (429) here, before the stream's 200
+        await submission.accepted()  # (or here, by a separate engine core)
         return event_stream(state, req, [prompt], params, rid, submission, fmt, grounding, twin)
     answers = await run_choices(state, prompt, params, rid, scoring=req.prompt_scoring())
     finishes = [a.finish for a in answers]
@@ -298,7 +299,7 @@ async def _stream(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
                                     fmt)) as chunks:
             async for chunk in chunks:
                 yield sse(chunk)
-    except Exception as exc:  # noqa: BLE001 - every failure becomes the stream's error event
+    except Exception as exc:
         error = failure(exc)
         if not isinstance(exc, FoveaError):
             log.exception("%s: the stream failed after it began", rid)

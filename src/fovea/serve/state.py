@@ -80,7 +80,7 @@ def preprocess_workers(settings: ServerSettings, loaded: LoadedModel) -> int:
 
 def lm_head_rows(loaded: LoadedModel, engine: Any) -> int:
     """The width of the logits the sampler sees (the LM head's rows, padding included)."""
-    llama = getattr(getattr(engine, "runner", None), "llama", None)
-    if llama is not None:
-        return int(llama.lm_head.shape[0])
+    rows = getattr(engine, "vocab_size", None)  # the engine's LM head (its own process's or the core's)
+    if rows is not None:
+        return int(rows)
     return int(loaded.model.get_output_embeddings().weight.shape[0])

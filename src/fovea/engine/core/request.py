@@ -236,6 +236,9 @@ class Submission:
     def cancel(self) -> None:
         self.cancelled.set()  # no-op when finished
 
+    async def accepted(self) -> None:
+        """Queued already (a refusal raised in the constructor); the engine core's client waits here."""
+
     async def events(self) -> AsyncIterator[Event]:
         finished = 0
         try:

@@ -103,6 +103,7 @@ class ModelRunner:
             with STARTUP.phase("vision stage check"):
                 stage = choose_vision_stage(loaded, enabled=fused and bool(config.fused_vision))
             self.embedder.images.encode, vision_label, self.vision_batched = stage
+        self.vision_label = vision_label
         log.info("vision stage: %s", vision_label)
         shape = self.llama.kv_shape(self.block_size)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)

@@ -207,6 +207,7 @@ def make_responses_router(state: ServerState, store: ResponseStore | None = None
                   and spec is not None)
         if req.stream:
             submission = state.engine.submit(prompt, params, run.rid)  # a 429 comes here, before the 200
+            await submission.accepted()  # (or here, by a separate engine core)
             return EventStream(run.stream(prompt, submission), on_close=submission.cancel)
         return JSONResponse(await run.collect(prompt))
 
@@ -290,7 +291,7 @@ class Run:
             async with aclosing(self.events(prompt, submission)) as events:
                 async for kind, fields in events:
                     yield event(kind, **fields)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes the stream's error event
+        except Exception as exc:
             # The stream began with 200: it ends with an error event and response.failed, and
             # no response.completed, so a cut answer never looks finished.
             error = failure(exc)
