@@ -4,7 +4,9 @@
     python bench/http_load.py --url http://127.0.0.1:8000 --concurrency 8 --requests 64
 
 Every request streams (SSE), so each one yields its time to first token (TTFT), time per
-output token after the first (TPOT) and end-to-end latency. It runs two phases and prints
+output token after the first (TPOT) and end-to-end latency; ``--no-stream`` sends plain JSON
+requests instead (latency and throughput only: TTFT is then the whole answer's time).
+``--engine-core thread|process`` is passed to the server it starts. It runs two phases and prints
 one table: sequential single requests (latency p50/p95) and ``--concurrency`` clients in
 parallel (throughput). Answers are checked against the scene, so a fast wrong server fails.
 """
@@ -66,6 +68,8 @@ def scene_request(seed: int, task: str, model: str) -> tuple[dict, str]:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, expected: str, headers: dict) -> Sample:
+    if not body["stream"]:
+        return await one_plain_request(client, url, body, expected, headers)
     started = time.perf_counter()
     first: float | None = None
     text, tokens = "", 0
@@ -87,9 +91,24 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, expected:
     return Sample((first or time.perf_counter()) - started, total, tokens, text == expected)
 
 
+async def one_plain_request(client: httpx.AsyncClient, url: str, body: dict, expected: str, headers: dict) -> Sample:
+    started = time.perf_counter()
+    response = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+    total = time.perf_counter() - started
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+    answer = response.json()
+    text = answer["choices"][0]["message"]["content"] or ""
+    return Sample(total, total, answer["usage"]["completion_tokens"], text == expected)
+
+
 async def run_phase(url: str, model: str, concurrency: int, n: int, mix: list[str], seed0: int,
-                    headers: dict) -> tuple[list[Sample], float]:
+                    headers: dict, stream: bool = True) -> tuple[list[Sample], float]:
     prepared = [scene_request(seed0 + i, mix[i % len(mix)], model) for i in range(n)]
+    if not stream:
+        for body, _ in prepared:
+            body["stream"] = False
+            del body["stream_options"]
     queue: asyncio.Queue = asyncio.Queue()
     for item in prepared:
         queue.put_nowait(item)
@@ -119,7 +138,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "fovea.cli", "--log-level", "warning", "serve", "--port", str(port),
            "--device", args.device, "--dtype", args.dtype, "--max-batch-size", str(args.max_batch_size),
-           "--no-canary"]
+           "--no-canary", "--engine-core", args.engine_core]
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -152,6 +171,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--api-key", default=os.environ.get("FOVEA_API_KEY"))
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--no-stream", action="store_true", help="plain JSON answers instead of SSE")
+    parser.add_argument("--engine-core", choices=["thread", "process"], default="process",
+                        help="for the started server")
     args = parser.parse_args()
 
     proc = None
@@ -162,9 +184,10 @@ def main() -> int:
     try:
         model = httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
         mix = args.mix.split(",")
-        asyncio.run(run_phase(url, model, 1, args.warmup, mix, 0, headers))
-        single, _ = asyncio.run(run_phase(url, model, 1, args.single, mix, 1_000, headers))
-        loaded, wall = asyncio.run(run_phase(url, model, args.concurrency, args.requests, mix, 2_000, headers))
+        stream = not args.no_stream
+        asyncio.run(run_phase(url, model, 1, args.warmup, mix, 0, headers, stream))
+        single, _ = asyncio.run(run_phase(url, model, 1, args.single, mix, 1_000, headers, stream))
+        loaded, wall = asyncio.run(run_phase(url, model, args.concurrency, args.requests, mix, 2_000, headers, stream))
     finally:
         if proc is not None:
             proc.terminate()

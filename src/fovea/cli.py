@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--topology", choices=["agg", "e_pd"], default="agg",
                        help="agg: one process runs everything; e_pd: the vision stage in encode-worker processes "
                             "that load only the vision weights (docs/disaggregation.md)")
-    serve.add_argument("--engine-core", choices=["thread", "process"], default="thread",
+    serve.add_argument("--engine-core", choices=["thread", "process"], default="process",
                        help="process: the engine (model, scheduler, KV cache, vision stage) in a process of its own, "
                             "so HTTP, media and tokenisation never wait on it for the GIL; thread: in this process "
                             "(docs/architecture.md)")

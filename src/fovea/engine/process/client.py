@@ -201,9 +201,17 @@ class EngineClient:
         if self._loop is not None:
             with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_reader(self.process.sentinel)
-        if self.process.is_alive() and self._sock is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.send(dumps(("stop",)), zmq.NOBLOCK)
+        if self.process.is_alive():
+            if self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send(dumps(("stop",)), zmq.NOBLOCK)
+            else:  # never started (refused at start-up): a socket of its own for the one message
+                context = zmq.Context()
+                sock = context.socket(zmq.DEALER)
+                sock.connect(self.address)
+                sock.send(dumps(("stop",)))
+                sock.close(linger=2000)
+                context.term()
         self.process.join(timeout=60)
         if self.process.is_alive():
             log.warning("the engine core did not stop within 60 s: killing it")
