@@ -110,3 +110,21 @@ def test_a_compiled_grammar_crosses_serialised_and_constrains_alike(demo_model):
     ours.accept(eos[0])
     theirs.accept(eos[0])
     assert ours.terminated and theirs.terminated
+
+
+def test_a_full_shared_memory_falls_back_to_the_temp_directory(monkeypatch, tmp_path):
+    import fovea.engine.process.wire as wire
+
+    real_open = open
+
+    def full(path, *args, **kwargs):
+        if str(path).startswith(str(wire.PIXEL_DIR / wire.PIXEL_PREFIX)):
+            raise OSError(28, "No space left on device")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(wire, "FALLBACK_DIR", tmp_path)
+    monkeypatch.setattr("builtins.open", full)
+    original = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    stub, path = pixels_out(prompt_with(original), OWNER)
+    assert path.startswith(str(tmp_path))
+    assert torch.equal(pixels_in(stub, path).images[0].pixels, original) and not os.path.exists(path)

@@ -17,6 +17,7 @@ do not go through the socket as they are:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import tempfile
@@ -30,8 +31,10 @@ import torch
 from fovea.engine.sampling.params import SamplingParams
 from fovea.loading.prompt import EncodedPrompt
 
-PIXEL_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+FALLBACK_DIR = Path(tempfile.gettempdir())
+PIXEL_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else FALLBACK_DIR
 PIXEL_PREFIX = "fovea-pixels-"
+log = logging.getLogger("fovea.engine.process")
 _ALIGN = 64  # each image's bytes start on a cache line, so every dtype views them aligned
 
 
@@ -65,20 +68,35 @@ def pixels_out(prompt: EncodedPrompt, owner: str) -> tuple[EncodedPrompt, str | 
     writing process in the file name, so that what a dead core never read can be found."""
     if not prompt.images:
         return prompt, None
-    path = PIXEL_DIR / f"{PIXEL_PREFIX}{owner}-{uuid.uuid4().hex}"
+    name = f"{PIXEL_PREFIX}{owner}-{uuid.uuid4().hex}"
+    try:
+        return _write_pixels(prompt, PIXEL_DIR / name)
+    except OSError as exc:  # /dev/shm full (a container's default is 64 MiB): the temp directory
+        if PIXEL_DIR == FALLBACK_DIR:
+            raise
+        log.warning("pixels go through %s: %s is full or not writable (%s); give the container more shared "
+                    "memory (docker run --shm-size)", FALLBACK_DIR, PIXEL_DIR, exc.strerror)
+        return _write_pixels(prompt, FALLBACK_DIR / name)
+
+
+def _write_pixels(prompt: EncodedPrompt, path: Path) -> tuple[EncodedPrompt, str]:
     images, offset = [], 0
-    with open(path, "wb") as f:
-        for image in prompt.images:
-            pixels = image.pixels.detach().to("cpu").contiguous()
-            raw = pixels.reshape(-1).view(torch.uint8)
-            pad = -offset % _ALIGN
-            if pad:
-                f.write(b"\0" * pad)
-                offset += pad
-            f.write(memoryview(raw.numpy()))
-            images.append(dataclasses.replace(image, pixels=PixelSlice(
-                offset, tuple(pixels.shape), str(pixels.dtype).removeprefix("torch."))))
-            offset += raw.numel()
+    try:
+        with open(path, "wb") as f:
+            for image in prompt.images:
+                pixels = image.pixels.detach().to("cpu").contiguous()
+                raw = pixels.reshape(-1).view(torch.uint8)
+                pad = -offset % _ALIGN
+                if pad:
+                    f.write(b"\0" * pad)
+                    offset += pad
+                f.write(memoryview(raw.numpy()))
+                images.append(dataclasses.replace(image, pixels=PixelSlice(
+                    offset, tuple(pixels.shape), str(pixels.dtype).removeprefix("torch."))))
+                offset += raw.numel()
+    except BaseException:
+        remove_pixels(str(path))
+        raise
     return dataclasses.replace(prompt, images=images), str(path)
 
 
@@ -116,9 +134,10 @@ def remove_pixels(path: str | None) -> None:
 def remove_orphans(owner: str) -> int:
     """Remove the pixel files ``owner`` wrote that no core took (the core died first)."""
     removed = 0
-    for path in PIXEL_DIR.glob(f"{PIXEL_PREFIX}{owner}-*"):
-        remove_pixels(str(path))
-        removed += 1
+    for directory in {PIXEL_DIR, FALLBACK_DIR}:
+        for path in directory.glob(f"{PIXEL_PREFIX}{owner}-*"):
+            remove_pixels(str(path))
+            removed += 1
     return removed
 
 
