@@ -290,10 +290,9 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         from fovea.disagg.parent_watch import exit_with_parent
 
         exit_with_parent()
-    # The engine's worker thread shares the GIL with the event loop and the request threads; it
-    # must get it back within a fraction of a GPU step (a 7B decode step is ~4.5 ms), not after
-    # Python's default 5 ms switch interval.
-    sys.setswitchinterval(float(os.environ.get("FOVEA_SWITCH_INTERVAL_MS", "1")) / 1000)
+    from fovea.gil import set_switch_interval
+
+    set_switch_interval()  # the engine thread (here or in the core) and the loops hand the GIL over fast
     app = create_app(settings)
     # log_config=None: keep fovea's handlers (fovea.logs), which carry the request ids.
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,

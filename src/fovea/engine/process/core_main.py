@@ -43,6 +43,7 @@ from fovea.config import ServerSettings, engine_config
 from fovea.engine.core.request import FinishEvent, Submission
 from fovea.engine.process.wire import GrammarReader, dumps, loads, pixels_in, remove_pixels
 from fovea.errors import FoveaError
+from fovea.gil import set_switch_interval
 from fovea.startup_clock import STARTUP
 
 log = logging.getLogger("fovea.engine.core")
@@ -325,4 +326,5 @@ def main(spec: CoreSpec) -> None:
 
     logs.configure(spec.log_level, spec.log_format, "engine-core")
     exit_with_parent()
+    set_switch_interval()  # the engine's worker thread and this loop, which sends its events
     sys.exit(asyncio.run(run(spec)))
