@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="process: the engine (model, scheduler, KV cache, vision stage) in a process of its own, "
                             "so HTTP, media and tokenisation never wait on it for the GIL; thread: in this process "
                             "(docs/architecture.md)")
+    serve.add_argument("--api-server-count", type=positive_int, default=1,
+                       help="API processes sharing the port (HTTP, media, templates, tokenisation), all feeding "
+                            "the one engine core: for preprocessing-heavy loads (needs --engine-core process)")
     serve.add_argument("--encode-workers", type=positive_int, default=None,
                        help="e_pd: encode-worker processes (default 1)")
     serve.add_argument("--encode-device", default=None,
@@ -247,6 +250,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         settings = ServerSettings(
             model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
             served_model_name=args.served_model_name, topology=args.topology, engine_core=args.engine_core,
+            api_server_count=args.api_server_count,
             encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, ray_address=args.ray_address,
             encode_device=args.encode_device,
             pd_workers=None if pd_worker else args.pd_workers,
@@ -298,8 +302,15 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=args.log_level.lower(), log_config=None, **uvicorn_options()))
     app.state.stop_server = lambda: setattr(server, "should_exit", True)  # a graceful stop (a dead engine core)
+    sockets = None
+    if settings.api_server_count > 1:  # more API processes on this port, all feeding the one engine core
+        from fovea.serve.api_servers import ApiServers, listening_socket
+
+        sockets = [listening_socket(settings.host, settings.port)]
+        peers = ApiServers(settings, app.state.core, sockets[0], args.log_level, args.log_format).start()
+        app.state.fovea.engine.before_stop.append(peers.stop)  # they stop (finishing their streams) first
     try:
-        server.run()
+        server.run(sockets=sockets)
         if not server.started:
             sys.exit(3)  # as uvicorn.run: the app could not start
     except SystemExit:  # the app could not start: a refusal is printed in one line

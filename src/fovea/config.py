@@ -29,6 +29,8 @@ class ServerSettings:
     # own and this one does HTTP, media, templates and tokenisation (fovea.engine.process);
     # "thread": the engine's worker thread runs in this process.
     engine_core: str = "thread"
+    # API processes that share the port and feed the one engine core (preprocessing-heavy loads).
+    api_server_count: int = 1
     encode_workers: int | None = None  # e_pd; None: 1
     encode_timeout_s: float | None = None  # e_pd: a worker that holds a batch longer is restarted; None: 60 s
     # e_pd: the encode workers' device (e.g. cuda:1 beside a PD worker on cuda:0); None: the PD
@@ -74,6 +76,13 @@ class ServerSettings:
     strict: bool = False  # refuse to start on a failing canary; /health answers 503 while degraded
 
     def __post_init__(self) -> None:
+        if self.engine_core not in ("thread", "process"):
+            raise ValueError(f"--engine-core must be thread or process, not {self.engine_core!r}")
+        if self.api_server_count < 1:
+            raise ValueError(f"--api-server-count must be at least 1, not {self.api_server_count}")
+        if self.api_server_count > 1 and self.engine_core != "process":
+            raise ValueError("--api-server-count feeds one engine core from several API processes: it needs "
+                             "--engine-core process")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} is not between 1 and 65535")
         if self.topology not in ("agg", "e_pd"):

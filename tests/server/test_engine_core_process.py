@@ -229,3 +229,92 @@ def test_a_core_that_refuses_to_start_stops_the_server_with_its_reason():
     assert process.returncode != 0
     assert "breaks the model contract" in out and "image_mean" in out, out[-2000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_sigterm_lets_a_stream_finish_then_stops_the_core():
+    """A graceful stop: the open stream runs to its end ([DONE]), then the server and its core
+    exit."""
+    process, base = serve()
+    try:
+        wait_ready(process, base)
+        (core,) = [pid for pid in children(process.pid)
+                   if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 200, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as reply:
+            lines = reply.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length", rest[-2]
+        # After its graceful stop uvicorn re-raises the signal it caught: ended by SIGTERM, as asked.
+        assert process.wait(timeout=60) == -signal.SIGTERM
+        assert not Path(f"/proc/{core}").exists() or "zombie" in Path(f"/proc/{core}/status").read_text().lower()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+def started_pids(log: Path) -> list[int]:
+    """The pids of the API processes whose uvicorn has started, in order."""
+    return [int(line.rsplit("[", 1)[1].split("]")[0]) for line in log.read_text(errors="replace").splitlines()
+            if "Started server process [" in line]
+
+
+def test_two_api_processes_feed_one_core_and_one_dying_loses_nothing_else(tmp_path):
+    log = tmp_path / "server.log"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--device", "cpu", "--port", str(port),
+                                    "--no-canary", "--api-server-count", "2"], cwd=ROOT, stdout=out,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        wait_ready(process, base)
+        deadline = time.monotonic() + 60
+        while len(started_pids(log)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        first, other = started_pids(log)[:2]
+        assert first == process.pid and other in children(process.pid)
+
+        def ask_many(count: int) -> list[str]:
+            async def ask(i: int) -> str:
+                async with httpx.AsyncClient(base_url=base, timeout=120) as client:  # a connection each
+                    reply = await client.post("/v1/chat/completions", json={
+                        "messages": chat("What color is the circle?"), "max_tokens": 4, "temperature": 0})
+                    assert reply.status_code == 200, reply.text[:300]
+                    return reply.json()["choices"][0]["message"]["content"]
+
+            async def all_of() -> list[str]:
+                return await asyncio.gather(*(ask(i) for i in range(count)))
+
+            return asyncio.run(all_of())
+
+        answers = ask_many(24)
+        assert len(set(answers)) == 1 and answers[0]  # one model, one greedy answer, whoever took it
+        os.kill(other, signal.SIGKILL)  # a further API process dies: the core and the first go on
+        assert ask_many(8) == answers[:8]
+        deadline = time.monotonic() + 60
+        while len(started_pids(log)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(started_pids(log)) == 3, log.read_text()[-3000:]  # and another takes its place
+        assert "API process 1" in log.read_text() and "exited with status -9" in log.read_text()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == -signal.SIGTERM, log.read_text()[-3000:]
+        assert not [pid for pid in (first, other, *started_pids(log)) if Path(f"/proc/{pid}").exists()
+                    and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+def test_more_api_processes_need_the_engine_core_in_its_own_process():
+    out = subprocess.run([sys.executable, "-m", "fovea.cli", "serve", "--engine-core", "thread",
+                          "--api-server-count", "2", "--port", str(free_port())], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 2
+    assert out.stderr.strip() == "fovea: error: --api-server-count feeds one engine core from several API " \
+        "processes: it needs --engine-core process", out.stderr

@@ -86,8 +86,9 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
 
 def create_app_with_core(settings: ServerSettings) -> FastAPI:
     """``create_app`` with the engine core in its own process: it loads, checks and profiles while
-    this process reads the model's structure; the routes then talk to it through ``EngineClient``."""
-    from fovea.engine.process.client import EngineClient, start_core, stop_server_on_death
+    this process reads the model's structure; the routes then talk to it through ``EngineClient``.
+    ``app.state.core`` is (its address, its info), for further API processes."""
+    from fovea.engine.process.client import EngineClient, start_core
 
     level, fmt = logs.configured()
     structure: dict = {}
@@ -98,18 +99,35 @@ def create_app_with_core(settings: ServerSettings) -> FastAPI:
     process, address, info = start_core(settings, level, fmt, while_waiting=read_structure)
     STARTUP.merge(info.startup_seconds, info.startup_depth)
     loaded = structure["loaded"]
-    engine = EngineClient(process, address, info, loaded.context_length)
+    return attach(settings, loaded, EngineClient(process, address, info, loaded.context_length))
+
+
+def create_app_attached(settings: ServerSettings, address: str, info) -> FastAPI:
+    """A further API process's app (``--api-server-count``): the same routes, fed to the engine core
+    another API process started (``address``, ``info``); it neither starts nor stops that core."""
+    from fovea.engine.process.client import EngineClient
+
+    loaded = load_model(settings.model, settings.device, settings.dtype, weights=False)
+    return attach(settings, loaded, EngineClient(None, address, info, loaded.context_length))
+
+
+def attach(settings: ServerSettings, loaded: LoadedModel, engine) -> FastAPI:
+    """The app around an engine core's client: metrics fed from the core's stats, the canary fitted
+    to its limits, and the server stopped (status 1) if the core dies."""
+    from fovea.engine.process.client import stop_server_on_death
+
     metrics = engine_metrics(lambda: engine)
     engine.on_vision_seconds = lambda s: metrics.vision_latency.observe(1000 * s)
     engine.on_handoff = metrics.observe_handoff
     try:
         fit = fit_canary(settings, loaded, engine)
         pool = engine.encode_workers if settings.topology == "e_pd" else None
-        app = compose(settings, loaded, engine, info.contract, metrics, pool, fit, on_stop=lambda: None)
+        app = compose(settings, loaded, engine, engine.info.contract, metrics, pool, fit, on_stop=lambda: None)
     except BaseException:
         engine.stop()
         raise
     engine.on_death = stop_server_on_death(app.state)
+    app.state.core = (engine.address, engine.info)
     return app
 
 

@@ -148,10 +148,14 @@ class RemoteSubmission:
 class EngineClient:
     """PagedEngine's serving surface over the engine core's socket (see the module's docstring)."""
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, address: str, info: CoreInfo,
+    def __init__(self, process: multiprocessing.process.BaseProcess | None, address: str, info: CoreInfo,
                  model_context: int, on_death: Callable[[], None] | None = None) -> None:
-        """``model_context``: the model's own context length (the API process's config)."""
+        """``process``: the core's process when this API process started it (and stops it);
+        None for a further API process (``--api-server-count``), which watches the core's pid.
+        ``model_context``: the model's own context length (the API process's config)."""
         self.process, self.address, self.info, self.model_context = process, address, info, model_context
+        self.before_stop: list[Callable[[], None]] = []  # run first in ``stop`` (the other API processes)
+        self._watch: int | None = None
         self.owner = f"{os.getpid()}"  # this process's pixel files: fovea-pixels-<pid>-*
         self.on_death = on_death
         self.config = SimpleNamespace(max_model_len=info.max_model_len, block_size=info.block_size,
@@ -193,14 +197,20 @@ class EngineClient:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(self.address)
         self._reader = self._loop.create_task(self._read())
-        self._loop.add_reader(self.process.sentinel, self._core_exited)
+        # Readable when the core's process ends: its sentinel here, a pidfd in a further API process.
+        self._watch = self.process.sentinel if self.process is not None else os.pidfd_open(self.info.pid)
+        self._loop.add_reader(self._watch, self._core_exited)
         self._send(("hello",))
 
     def stop(self) -> None:
-        """Stop the core: it ends what is queued or running with error events, then exits."""
-        if self._loop is not None:
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(self.process.sentinel)
+        """Stop the core (when this process started it): it ends what is queued or running with
+        error events, then exits. A further API process only disconnects."""
+        for hook in self.before_stop:
+            hook()
+        self._unwatch()
+        if self.process is None:
+            self._close()
+            return
         if self.process.is_alive():
             if self._sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
@@ -217,6 +227,9 @@ class EngineClient:
             log.warning("the engine core did not stop within 60 s: killing it")
             self.process.kill()
             self.process.join(timeout=10)
+        self._close()
+
+    def _close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
         if self._sock is not None:
@@ -224,6 +237,15 @@ class EngineClient:
             self._context.term()
             self._sock = None
         remove_orphans(self.owner)
+
+    def _unwatch(self) -> None:
+        if self._loop is not None and self._watch is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._watch)
+            if self.process is None:
+                with contextlib.suppress(OSError):
+                    os.close(self._watch)
+            self._watch = None
 
     # ---- requests -------------------------------------------------------------------
     def check_fits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
@@ -331,13 +353,15 @@ class EngineClient:
 
     def _core_exited(self) -> None:
         """The core's process ended while serving: fail what is in flight, then stop the server."""
-        self._loop.remove_reader(self.process.sentinel)
-        self.process.join(timeout=1)
-        code = self.process.exitcode
-        self.dead = EngineUnavailable(f"the engine core exited (status {code}); this server is restarting. "
-                                      "Retry shortly.")
-        log.error("the engine core (pid %s) exited with status %s: failing %d request(s) in flight and stopping "
-                  "the server", self.process.pid, code, len(self._live))
+        self._unwatch()
+        if self.process is not None:
+            self.process.join(timeout=1)
+            status = f"status {self.process.exitcode}"
+        else:
+            status = "its status is its parent's to read"
+        self.dead = EngineUnavailable("the engine core exited; this server is restarting. Retry shortly.")
+        log.error("the engine core (pid %s) exited (%s): failing %d request(s) in flight and stopping the server",
+                  self.info.pid, status, len(self._live))
         for sid, submission in list(self._live.items()):
             submission.settle(self.dead)
             submission.deliver(ErrorEvent(self.dead))
