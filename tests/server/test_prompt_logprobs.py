@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 from scene_helpers import data_url, fresh_scene
 
 from fovea.demo import scenes
 from fovea.engine.memory.planner import Planner
+from fovea.testing.tolerance import assert_close_to_model
 
 URL = data_url(scenes.render(fresh_scene(5100, min_shapes=2)))
 CHAT = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": URL}},
@@ -22,6 +24,7 @@ def http(live_server):
     with httpx.Client(base_url=live_server.base_url, timeout=120) as client:
         client.engine = live_server.app.state.fovea.engine
         client.tokenizer = live_server.app.state.fovea.loaded.tokenizer
+        client.loaded = live_server.app.state.fovea.loaded
         yield client
 
 
@@ -111,7 +114,20 @@ def test_token_id_prompts_and_batches(http):
                                                "prompt_logprobs": 0}).json()
     assert http.engine.prompts_scored == before + 2  # each prompt once, not each choice
     lists = [c["prompt_logprobs"] for c in batch["choices"]]
-    assert lists[0] == lists[1] == entries and len(lists[2]) == 3 and lists[2] == lists[3]
+    assert lists[0] == lists[1] and len(lists[2]) == 3 and lists[2] == lists[3]  # one scoring per prompt
+    # Alone or batched with another prompt: the same tokens and ranks, and log-probabilities equal up
+    # to float32 rounding (a batch of other shapes reduces in another order).
+    config = http.loaded.model.config
+    assert_same_scores(lists[0], entries, config, len(ids))
+    assert_same_scores(lists[2], entries[:3], config, 3)
+
+
+def assert_same_scores(got: list, want: list, config, context: int) -> None:
+    assert [e and {k: (v["rank"], v["decoded_token"]) for k, v in e.items()} for e in got] == \
+        [e and {k: (v["rank"], v["decoded_token"]) for k, v in e.items()} for e in want]
+    a = torch.tensor([v["logprob"] for e in got[1:] for v in e.values()])
+    b = torch.tensor([v["logprob"] for e in want[1:] for v in e.values()])
+    assert_close_to_model(a, b, config, context, scale=float(b.abs().max()), what="prompt log-probabilities")
 
 
 def test_the_memory_plan_has_no_grounding_forward(http):
