@@ -29,6 +29,7 @@ from fovea.engine.core.request import (
     Submission,
     check_fits_context,
     check_token_ids,
+    enqueue,
     overloaded,
 )
 from fovea.engine.core.scheduler import Scheduler, StepPlan
@@ -152,14 +153,27 @@ class PagedEngine:
         """Queue one request now, or refuse it now (400 for one that cannot fit, 429 when the
         queue is full); its events come from the returned ``Submission.events()``. ``scoring``:
         score the prompt from its own prefill (its answers come in the ``FinishEvent``)."""
+        self._check_submission(prompt, params, scoring)
+        return Submission(self._queue, self.config.max_queue, prompt, params, request_id, want_first_logprobs,
+                          scoring)
+
+    def submit_to(self, emit: Callable[[Event], None], prompt: EncodedPrompt, params: SamplingParams,
+                  request_id: str | None = None, want_first_logprobs: bool = False,
+                  scoring: PromptScoring | None = None) -> threading.Event:
+        """``submit`` for a caller without an event loop of its own on the path (the engine core's
+        process): ``emit`` is called on the engine's thread with each event (it must not block).
+        Returns the flag that cancels the request."""
+        self._check_submission(prompt, params, scoring)
+        return enqueue(self._queue, self.config.max_queue, prompt, params, request_id, want_first_logprobs, scoring,
+                       emit)
+
+    def _check_submission(self, prompt: EncodedPrompt, params: SamplingParams, scoring: PromptScoring | None) -> None:
         if self._dead is not None:
             raise EngineStopped(f"the engine worker died: {type(self._dead).__name__}: {self._dead}")
         self.check_fits(prompt, params)
         if scoring is not None and scoring.full_rows > len(prompt.input_ids) - 1:
             raise InvalidRequest(f"{scoring.full_rows} full rows asked of a prompt of {len(prompt.input_ids)} "
                                  "tokens: its first token has no distribution before it.")
-        return Submission(self._queue, self.config.max_queue, prompt, params, request_id, want_first_logprobs,
-                          scoring)
 
     def refuse_when_full(self) -> None:
         """A 429 now when --max-queue is reached: the routes ask before fetching and decoding a

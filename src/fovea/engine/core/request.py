@@ -191,6 +191,37 @@ def overloaded(max_queue: int | None) -> Overloaded:
     return Overloaded(f"{max_queue} requests are already waiting; retry shortly.")
 
 
+def enqueue(work_queue: queue.Queue[EngineRequest | None], max_queue: int | None, prompt: EncodedPrompt,
+            params: SamplingParams, request_id: str | None, want_first_logprobs: bool,
+            scoring: PromptScoring | None, emit: Callable[[Event], None]) -> threading.Event:
+    """Put a request's ``params.n`` choices on the worker's queue, or none (429 ``Overloaded`` when
+    it is full); ``emit`` gets every choice's events, on the engine's thread, each with its
+    ``index``. Returns the flag that cancels them all."""
+    rid = request_id or uuid.uuid4().hex
+    n = params.n
+    cancelled = threading.Event()
+    group = object() if n > 1 else None
+
+    def emitter(index: int) -> Callable[[Event], None]:
+        def emit_one(event: Event) -> None:
+            event.index = index
+            emit(event)
+        return emit_one
+
+    requests = [EngineRequest(request_id=rid if n == 1 else f"{rid}-{i}", prompt=prompt,
+                              params=params if n == 1 else params.choice(i), emit=emitter(i),
+                              cancelled=cancelled, want_first_logprobs=want_first_logprobs, index=i,
+                              group=group, scoring=scoring if i == 0 else None)
+                for i in range(n)]
+    try:
+        for request in requests:
+            work_queue.put_nowait(request)
+    except queue.Full:
+        cancelled.set()  # the choices already queued are dropped by the worker
+        raise overloaded(max_queue) from None
+    return cancelled
+
+
 class Submission:
     """One request put on an engine worker's queue, and its events as they come back.
 
@@ -210,28 +241,9 @@ class Submission:
                  want_first_logprobs: bool, scoring: PromptScoring | None = None) -> None:
         mailbox = LoopMailbox.of(asyncio.get_running_loop())
         self._events: asyncio.Queue[Event] = asyncio.Queue()
-        rid = request_id or uuid.uuid4().hex
-        self.n = n = params.n
-        self.cancelled = threading.Event()
-        group = object() if n > 1 else None
-
-        def emitter(index: int) -> Callable[[Event], None]:
-            def emit(event: Event) -> None:
-                event.index = index
-                mailbox.post(self._events.put_nowait, event)
-            return emit
-
-        requests = [EngineRequest(request_id=rid if n == 1 else f"{rid}-{i}", prompt=prompt,
-                                  params=params if n == 1 else params.choice(i), emit=emitter(i),
-                                  cancelled=self.cancelled, want_first_logprobs=want_first_logprobs, index=i,
-                                  group=group, scoring=scoring if i == 0 else None)
-                    for i in range(n)]
-        try:
-            for request in requests:
-                work_queue.put_nowait(request)
-        except queue.Full:
-            self.cancelled.set()  # the choices already queued are dropped by the worker
-            raise overloaded(max_queue) from None
+        self.n = params.n
+        self.cancelled = enqueue(work_queue, max_queue, prompt, params, request_id, want_first_logprobs, scoring,
+                                 lambda event: mailbox.post(self._events.put_nowait, event))
 
     def cancel(self) -> None:
         self.cancelled.set()  # no-op when finished

@@ -315,29 +315,32 @@ class EngineClient:
     async def _read(self) -> None:
         while True:
             message = loads(await self._sock.recv())
-            kind = message[0]
-            if kind == "events":
-                for sid, event, vision in message[1]:
-                    submission = self._live.get(sid)
-                    if submission is None:
-                        continue
-                    if isinstance(event, FinishEvent):
-                        self.encoder_cache.timings.put(submission.prompt, vision)
-                    submission.deliver(event)
-            elif kind == "accepted" or kind == "refused":
-                sid = message[1]
-                self._pixels.pop(sid, None)  # the core took the file (and removed it)
-                submission = self._live.get(sid)
-                if submission is not None:
-                    submission.settle(message[2] if kind == "refused" else None)
-                    if kind == "refused":
-                        self._live.pop(sid, None)
-            elif kind == "stats":
-                self._take_stats(message[1])
-            elif kind == "reply":
-                future = self._calls.pop(message[1], None)
-                if future is not None and not future.done():
-                    future.set_result(message[2])
+            for one in message[1] if message[0] == "batch" else [message]:
+                self._take(one)
+
+    def _take(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "event":
+            _, sid, event, vision = message
+            submission = self._live.get(sid)
+            if submission is not None:
+                if isinstance(event, FinishEvent):
+                    self.encoder_cache.timings.put(submission.prompt, vision)
+                submission.deliver(event)
+        elif kind == "accepted" or kind == "refused":
+            sid = message[1]
+            self._pixels.pop(sid, None)  # the core took the file (and removed it)
+            submission = self._live.get(sid)
+            if submission is not None:
+                submission.settle(message[2] if kind == "refused" else None)
+                if kind == "refused":
+                    self._live.pop(sid, None)
+        elif kind == "stats":
+            self._take_stats(message[1])
+        elif kind == "reply":
+            future = self._calls.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(message[2])
 
     def _take_stats(self, stats: dict[str, Any]) -> None:
         self.queue_depth = stats["queue_depth"]
@@ -393,11 +396,12 @@ def start_core(settings, log_level: str = "info", log_format: str = "text", time
         while True:
             if sock.poll(200):
                 message = loads(sock.recv())
-                if message[0] == "ready":
-                    return process, address, message[1]
-                if message[0] == "failed":
-                    process.join(timeout=30)
-                    raise message[1]
+                for one in message[1] if message[0] == "batch" else [message]:
+                    if one[0] == "ready":
+                        return process, address, one[1]
+                    if one[0] == "failed":
+                        process.join(timeout=30)
+                        raise one[1]
                 continue  # stats before ready: none are sent; anything else is ignored
             if not process.is_alive():
                 raise EngineUnavailable(f"the engine core exited with status {process.exitcode} while starting; "

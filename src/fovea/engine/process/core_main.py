@@ -10,7 +10,9 @@ process does. An API process connects a DEALER socket and says hello. It then ge
 - ``("submit", sid, prompt, pixel_path, params, rid, want_first_logprobs, scoring)`` queues a
   request and is answered at once with ``("accepted", sid)``, or with ``("refused", sid, error)``
   (a 400 or a 429: before the API process starts the HTTP response). The request's events then
-  come in batches: ``("events", [(sid, event, vision_report), ...])``.
+  come as ``("event", sid, event, vision_report)``.
+- Everything the core sends goes in ``("batch", [message, ...])``: one frame per loop turn and
+  API process.
 - ``("cancel", sid)`` drops a request whose client left.
 - ``("call", cid, name)`` asks for ``memory_report`` and is answered ``("reply", cid, value)``.
 - ``("stop",)`` stops the engine. Queued and running requests end with error events, and the
@@ -26,11 +28,13 @@ tokenizer.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import pickle
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +44,7 @@ import zmq.asyncio
 
 from fovea import logs
 from fovea.config import ServerSettings, engine_config
-from fovea.engine.core.request import FinishEvent, Submission
+from fovea.engine.core.request import ErrorEvent, FinishEvent
 from fovea.engine.process.wire import GrammarReader, dumps, loads, pixels_in, remove_pixels
 from fovea.errors import FoveaError
 from fovea.gil import set_switch_interval
@@ -140,17 +144,33 @@ def core_info(engine, contract) -> CoreInfo:
         startup_seconds=dict(STARTUP.seconds), startup_depth=dict(STARTUP.depth), pid=os.getpid())
 
 
+@dataclass
+class Held:
+    """A request in flight in the core: whose it is, and how many of its choices are still open."""
+
+    peer: bytes
+    sid: int
+    prompt: Any
+    cancelled: threading.Event | None = None
+    open_choices: int = 1
+
+
 class CoreServer:
     """The core's loop: requests from the API process(es) into the engine, events back. It
-    serves from its start: a hello while the engine is being built waits for ``ready``."""
+    serves from its start: a hello while the engine is being built waits for ``ready``.
+
+    The engine's thread hands each event to ``post`` (a deque and, once per burst, one wake-up of
+    this loop), and one callback on the loop sends everything pending, one message per API
+    process. No task per request and no queue between: a token is one loop turn from the socket."""
 
     def __init__(self, sock: zmq.asyncio.Socket, observed: Observations) -> None:
         self.sock, self.observed = sock, observed
         self.engine = self.loaded = self.info = self.grammars = self.pool = None
-        self.requests: dict[tuple[bytes, int], tuple[asyncio.Task, Submission]] = {}
-        self.outbox: dict[bytes, list] = {}
+        self.held: dict[tuple[bytes, int], Held] = {}
         self.peers: set[bytes] = set()
-        self._flushing: asyncio.Task | None = None
+        self._pending: collections.deque[tuple[bytes, tuple]] = collections.deque()
+        self._scheduled = False
+        self._loop = asyncio.get_running_loop()  # built in the loop it serves (``run``)
         self._stopping = False
 
     def started(self, loaded, engine, info: CoreInfo, pool=None) -> None:
@@ -162,21 +182,42 @@ class CoreServer:
 
     # ---- out ------------------------------------------------------------------------
     def post(self, peer: bytes, message: tuple) -> None:
-        self.outbox.setdefault(peer, []).append(message)
-        if self._flushing is None or self._flushing.done():
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        """From any thread: ``message`` goes to ``peer`` at the loop's next turn, in order."""
+        self._pending.append((peer, message))
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon_threadsafe(self._send_pending)
 
-    async def _flush(self) -> None:
-        await asyncio.sleep(0)  # let the events of this loop turn gather first
-        while self.outbox:
-            outbox, self.outbox = self.outbox, {}
-            for peer, messages in outbox.items():
-                events = [m[1:] for m in messages if m[0] == "event"]
-                others = [m for m in messages if m[0] != "event"]
-                for message in others:  # accepted / refused / reply come before the events that follow them
-                    await self.sock.send_multipart([peer, dumps(message)])
-                if events:
-                    await self.sock.send_multipart([peer, dumps(("events", events))])
+    def _send_pending(self) -> None:
+        # Cleared first: a message posted from now on is sent below or schedules a send of its own.
+        self._scheduled = False
+        batches: dict[bytes, list[tuple]] = {}
+        while self._pending:
+            peer, message = self._pending.popleft()
+            batches.setdefault(peer, []).append(message)
+            if message[0] == "event" and message[4]:  # the request's last event: it is no longer held
+                self.held.pop((peer, message[1]), None)
+        for peer, messages in batches.items():
+            sent = self.sock.send_multipart([peer, dumps(("batch", [m[:4] for m in messages]))])
+            sent.add_done_callback(_log_send_error)  # SNDHWM 0: done at once unless the socket broke
+
+    def _emitter(self, held: Held):
+        """The engine thread's callback for one request's events."""
+        key = (held.peer, held.sid)
+
+        def emit(event) -> None:
+            vision, last = None, False
+            if isinstance(event, FinishEvent):
+                vision = self.engine.encoder_cache.timings.report(held.prompt)
+                held.open_choices -= 1
+                last = held.open_choices <= 0
+            elif isinstance(event, ErrorEvent):
+                event.error = safe_error(event.error)
+                last = True  # the API process ends the request at its first error
+            if key in self.held or last:
+                self.post(held.peer, ("event", held.sid, event, vision, last))
+
+        return emit
 
     async def _stats(self) -> None:
         while not self._stopping:
@@ -200,35 +241,21 @@ class CoreServer:
         try:
             prompt = pixels_in(prompt, pixel_path)
             params = self.grammars.params_in(params)
-            submission = self.engine.submit(prompt, params, rid, want_first_logprobs, scoring)
+            held = Held(peer, sid, prompt, open_choices=params.n)
+            self.held[(peer, sid)] = held
+            held.cancelled = self.engine.submit_to(self._emitter(held), prompt, params, rid, want_first_logprobs,
+                                                   scoring)
         except BaseException as exc:  # noqa: BLE001 - a refusal goes back to the request, not up
+            self.held.pop((peer, sid), None)
             remove_pixels(pixel_path)
             self.post(peer, ("refused", sid, safe_error(exc)))
             return
         self.post(peer, ("accepted", sid))
-        task = asyncio.get_running_loop().create_task(self._forward(peer, sid, submission, prompt))
-        self.requests[(peer, sid)] = (task, submission)
-
-    async def _forward(self, peer: bytes, sid: int, submission: Submission, prompt) -> None:
-        try:
-            async with contextlib.aclosing(submission.events()) as events:
-                async for event in events:
-                    vision = None
-                    if isinstance(event, FinishEvent):
-                        vision = self.engine.encoder_cache.timings.report(prompt)
-                    elif hasattr(event, "error"):
-                        event.error = safe_error(event.error)
-                    self.post(peer, ("event", sid, event, vision))
-        finally:
-            submission.cancel()
-            self.requests.pop((peer, sid), None)
 
     def cancel(self, peer: bytes, sid: int) -> None:
-        held = self.requests.pop((peer, sid), None)
-        if held is not None:
-            task, submission = held
-            submission.cancel()
-            task.cancel()
+        held = self.held.pop((peer, sid), None)
+        if held is not None and held.cancelled is not None:
+            held.cancelled.set()  # the worker drops it, or frees its blocks, at its next step
 
     def call(self, peer: bytes, cid: int, name: str) -> None:
         try:
@@ -239,7 +266,7 @@ class CoreServer:
 
     async def serve(self) -> None:
         """Until ``stop``: the first messages are hellos, answered once the engine is ready."""
-        stats = asyncio.get_running_loop().create_task(self._stats())
+        stats = self._loop.create_task(self._stats())
         try:
             while True:
                 peer, frame = await self.sock.recv_multipart()
@@ -277,13 +304,15 @@ class CoreServer:
     async def stop(self) -> None:
         """Stop the engine: what is queued or running ends with error events, sent before exit."""
         self._stopping = True
-        await asyncio.to_thread(self.engine.stop)
-        pending = [task for task, _ in self.requests.values()]
-        if pending:
-            await asyncio.wait(pending, timeout=5)
-        await self._flush()
+        await asyncio.to_thread(self.engine.stop)  # its last error events are posted meanwhile
+        self._send_pending()
         for peer in self.peers:
             await self.sock.send_multipart([peer, dumps(("stopped",))])
+
+
+def _log_send_error(sent: asyncio.Future) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        log.error("a message to an API process was lost: %s", sent.exception())
 
 
 async def run(spec: CoreSpec) -> int:
