@@ -148,7 +148,8 @@ class ServerSettings:
         cores = usable_cores()
         local_encoders = self.encode_workers if self.ray_address is None else None  # Ray's actors run elsewhere
         for flag, count in (("--encode-workers", local_encoders), ("--pd-workers", self.pd_workers),
-                            ("--preprocess-workers", self.preprocess_workers)):
+                            ("--preprocess-workers", self.preprocess_workers),
+                            ("--api-server-count", self.api_server_count)):
             if count is not None and count > cores:
                 raise ValueError(f"{flag} {count} is more than this machine's {cores} CPU cores: each worker is a "
                                  f"process of its own, and more than one a core only makes them wait for each "
