@@ -125,14 +125,21 @@ class PagedEngine:
     def memory_report(self) -> dict:
         """The memory plan, and on CUDA what the process holds now and has held at most."""
         report = self.runner.memory_plan.to_dict()
-        if self.loaded.device.type == "cuda":
-            device = self.loaded.device
-            free, total = torch.cuda.mem_get_info(device)
-            report["now"] = {"torch_reserved_bytes": torch.cuda.memory_reserved(device),
-                             "torch_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
-                             "device_used_bytes": total - free}
+        now = self.memory_now()
+        if now is not None:
+            report["now"] = now
         report["oom_recoveries"] = self.oom_recoveries
         return report
+
+    def memory_now(self) -> dict | None:
+        """On CUDA: what torch holds now and has held at most, and what the device has in use."""
+        if self.loaded.device.type != "cuda":
+            return None
+        device = self.loaded.device
+        free, total = torch.cuda.mem_get_info(device)
+        return {"torch_reserved_bytes": torch.cuda.memory_reserved(device),
+                "torch_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+                "device_used_bytes": total - free}
 
     @property
     def max_context(self) -> int:

@@ -99,6 +99,8 @@ class RemoteSubmission:
     def __init__(self, client: EngineClient, sid: int, n: int, prompt: EncodedPrompt) -> None:
         self.client, self.sid, self.n, self.prompt = client, sid, n, prompt
         self._accepted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # A refusal nobody awaits any more (the request was cancelled first) is not an error to log.
+        self._accepted.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._done = False
 
@@ -126,7 +128,7 @@ class RemoteSubmission:
         try:
             try:
                 await self._accepted
-            except BaseException as exc:  # noqa: BLE001 - a refusal is this request's one event
+            except Exception as exc:  # noqa: BLE001 - a refusal is this request's one event
                 self._done = True
                 yield ErrorEvent(exc)
                 return
@@ -175,12 +177,12 @@ class EngineClient:
         self.encode_workers = RemoteEncodeWorkers()  # e_pd: the core's pool, as its stats last said
         self.dead: EngineUnavailable | None = None
         self._memory_report = info.memory_report
+        self.memory_now: dict | None = info.memory_report.get("now")
         self._context: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._ids = itertools.count(1)
         self._live: dict[int, RemoteSubmission] = {}
         self._pixels: dict[int, str] = {}  # pixel files the core has not taken yet
-        self._calls: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -294,8 +296,12 @@ class EngineClient:
                 yield event
 
     def memory_report(self) -> dict:
-        """The plan as the core reported it at start-up, and its out-of-memory recoveries since."""
-        return {**self._memory_report, "oom_recoveries": self.oom_recoveries}
+        """The plan as the core reported it at start-up, what it holds now (its last stats) and its
+        out-of-memory recoveries since."""
+        report = {**self._memory_report, "oom_recoveries": self.oom_recoveries}
+        if self.memory_now is not None:
+            report["now"] = self.memory_now
+        return report
 
     # ---- the socket -----------------------------------------------------------------
     def _send(self, message: tuple) -> None:
@@ -337,16 +343,13 @@ class EngineClient:
                     self._live.pop(sid, None)
         elif kind == "stats":
             self._take_stats(message[1])
-        elif kind == "reply":
-            future = self._calls.pop(message[1], None)
-            if future is not None and not future.done():
-                future.set_result(message[2])
 
     def _take_stats(self, stats: dict[str, Any]) -> None:
         self.queue_depth = stats["queue_depth"]
         self.encoder_cache.hits, self.encoder_cache.misses = stats["cache_hits"], stats["cache_misses"]
         self.oom_recoveries, self.steps = stats["oom_recoveries"], stats["steps"]
         self.phase_seconds = stats["phase_seconds"]
+        self.memory_now = stats["memory_now"]
         for seconds in stats["vision_s"]:
             self.on_vision_seconds(seconds)
         for seconds, images in stats["handoff"]:

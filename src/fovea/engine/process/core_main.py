@@ -14,12 +14,12 @@ process does. An API process connects a DEALER socket and says hello. It then ge
 - Everything the core sends goes in ``("batch", [message, ...])``: one frame per loop turn and
   API process.
 - ``("cancel", sid)`` drops a request whose client left.
-- ``("call", cid, name)`` asks for ``memory_report`` and is answered ``("reply", cid, value)``.
 - ``("stop",)`` stops the engine. Queued and running requests end with error events, and the
   process exits.
 
 Every ``STATS_INTERVAL_S`` the core sends ``("stats", dict)``: the queue depth, the cache and
-step counters, and the vision and hand-off observations since the last one. The API process's
+step counters, what the GPU holds now, and the vision and hand-off observations since the last
+one. The API process's
 ``/metrics`` reads them. The core's main thread runs this loop (asyncio); the engine's worker
 thread runs the steps. Nothing else in the process takes the GIL: no HTTP, no JSON, no
 tokenizer.
@@ -229,7 +229,7 @@ class CoreServer:
             stats = {"queue_depth": engine.queue_depth, "cache_hits": engine.encoder_cache.hits,
                      "cache_misses": engine.encoder_cache.misses, "oom_recoveries": engine.oom_recoveries,
                      "steps": engine.steps, "phase_seconds": dict(engine.phase_seconds), "vision_s": vision,
-                     "handoff": handoff}
+                     "handoff": handoff, "memory_now": engine.memory_now()}
             if self.pool is not None:  # e_pd: the encode workers, for /health
                 stats["encode_workers"] = {"status": self.pool.status(), "handoff": self.pool.handoff_summary()}
             for peer in self.peers:
@@ -257,13 +257,6 @@ class CoreServer:
         if held is not None and held.cancelled is not None:
             held.cancelled.set()  # the worker drops it, or frees its blocks, at its next step
 
-    def call(self, peer: bytes, cid: int, name: str) -> None:
-        try:
-            value = {"memory_report": self.engine.memory_report}[name]()
-        except BaseException as exc:  # noqa: BLE001
-            value = safe_error(exc)
-        self.post(peer, ("reply", cid, value))
-
     async def serve(self) -> None:
         """Until ``stop``: the first messages are hellos, answered once the engine is ready."""
         stats = self._loop.create_task(self._stats())
@@ -280,8 +273,6 @@ class CoreServer:
                     self.submit(peer, *message[1:])
                 elif kind == "cancel":
                     self.cancel(peer, message[1])
-                elif kind == "call":
-                    self.call(peer, *message[1:])
                 elif kind == "stop":
                     await self.stop()
                     return
