@@ -33,6 +33,7 @@ from fovea.engine.process.wire import PIXEL_DIR, PIXEL_PREFIX
 from fovea.media import MediaConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+NEEDS_PROC = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds child pids in /proc")
 
 
 def image_url(color: tuple[int, int, int], size: int = 96) -> str:
@@ -197,21 +198,30 @@ def wait_ready(process: subprocess.Popen, base: str) -> None:
     raise AssertionError("the server did not become ready")
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the core's pid in /proc")
+def core_of(process: subprocess.Popen) -> int:
+    (core,) = [pid for pid in children(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+    return core
+
+
+def stream_and_then(base: str, max_tokens: int, action) -> list[str]:
+    """Start a streamed request, run ``action`` once its first event came, and return its events."""
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))  # it is streaming
+        action()
+        return [line for line in lines if line.startswith("data: ")]
+
+
+@NEEDS_PROC
 def test_a_dead_core_fails_the_streams_in_flight_and_stops_the_server():
     process, base = serve()
     try:
         wait_ready(process, base)
-        (core,) = [pid for pid in children(process.pid)
-                   if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
-        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 480, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as reply:
-            assert reply.status_code == 200
-            lines = reply.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))  # it is streaming
-            os.kill(core, signal.SIGKILL)
-            rest = [line for line in lines if line.startswith("data: ")]
+        core = core_of(process)
+        rest = stream_and_then(base, 480, lambda: os.kill(core, signal.SIGKILL))
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2][6:])["error"]
         assert error["code"] == "engine_unavailable" and error["type"] == "server_error", error
@@ -231,21 +241,15 @@ def test_a_core_that_refuses_to_start_stops_the_server_with_its_reason():
     assert "Traceback" not in out, out[-3000:]
 
 
+@NEEDS_PROC
 def test_sigterm_lets_a_stream_finish_then_stops_the_core():
     """A graceful stop: the open stream runs to its end ([DONE]), then the server and its core
     exit."""
     process, base = serve()
     try:
         wait_ready(process, base)
-        (core,) = [pid for pid in children(process.pid)
-                   if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
-        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 200, "ignore_eos": True,
-                "stream": True}
-        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as reply:
-            lines = reply.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))
-            process.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
+        core = core_of(process)
+        rest = stream_and_then(base, 200, lambda: process.send_signal(signal.SIGTERM))
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length", rest[-2]
         # After its graceful stop uvicorn re-raises the signal it caught: ended by SIGTERM, as asked.
@@ -263,6 +267,7 @@ def started_pids(log: Path) -> list[int]:
             if "Started server process [" in line]
 
 
+@NEEDS_PROC
 def test_two_api_processes_feed_one_core_and_one_dying_loses_nothing_else(tmp_path):
     log = tmp_path / "server.log"
     port = free_port()
