@@ -202,7 +202,7 @@ class EngineClient:
         # Readable when the core's process ends: its sentinel here, a pidfd in a further API process.
         self._watch = self.process.sentinel if self.process is not None else os.pidfd_open(self.info.pid)
         self._loop.add_reader(self._watch, self._core_exited)
-        self._send(("hello",))
+        self._send(("hello", os.getpid()))  # the core drops this process's requests if it dies
 
     def stop(self) -> None:
         """Stop the core (when this process started it): it ends what is queued or running with

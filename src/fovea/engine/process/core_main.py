@@ -4,7 +4,8 @@ sampler and the grammar masks, with nothing of HTTP in it.
 The API process starts it (``client.start_core``) with the server's settings and a ZeroMQ
 address. The core binds a ROUTER socket there first, then loads the model, checks its contract,
 starts the encode workers (e_pd) and builds and profiles the engine, all as a server in one
-process does. An API process connects a DEALER socket and says hello. It then gets
+process does. An API process connects a DEALER socket and says hello (``("hello", pid)``: the
+core watches that pid and drops the process's requests in flight when it exits). It then gets
 ``("ready", CoreInfo)`` or ``("failed", error)``. After that:
 
 - ``("submit", sid, prompt, pixel_path, params, rid, want_first_logprobs, scoring)`` queues a
@@ -168,6 +169,7 @@ class CoreServer:
         self.engine = self.loaded = self.info = self.grammars = self.pool = None
         self.held: dict[tuple[bytes, int], Held] = {}
         self.peers: set[bytes] = set()
+        self._watched: dict[bytes, int] = {}  # an API process's socket identity -> a pidfd on it
         self._pending: collections.deque[tuple[bytes, tuple]] = collections.deque()
         self._scheduled = False
         self._loop = asyncio.get_running_loop()  # built in the loop it serves (``run``)
@@ -257,6 +259,30 @@ class CoreServer:
         if held is not None and held.cancelled is not None:
             held.cancelled.set()  # the worker drops it, or frees its blocks, at its next step
 
+    def watch(self, peer: bytes, pid: int) -> None:
+        """When the API process ``pid`` exits, its requests are dropped (``peer_gone``): nobody
+        reads their tokens any more, and the other API processes' requests need the room."""
+        if peer in self._watched:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError as exc:  # already gone, or no pidfd here: its requests finish unread
+            log.warning("cannot watch API process %d (%s)", pid, exc)
+            return
+        self._watched[peer] = fd
+        self._loop.add_reader(fd, self.peer_gone, peer, pid)
+
+    def peer_gone(self, peer: bytes, pid: int) -> None:
+        fd = self._watched.pop(peer, None)
+        if fd is not None:
+            self._loop.remove_reader(fd)
+            os.close(fd)
+        self.peers.discard(peer)
+        dropped = [key for key in self.held if key[0] == peer]
+        for key in dropped:
+            self.cancel(*key)
+        log.warning("API process %d exited: dropped its %d request(s) in flight", pid, len(dropped))
+
     async def serve(self) -> None:
         """Until ``stop``: the first messages are hellos, answered once the engine is ready."""
         stats = self._loop.create_task(self._stats())
@@ -267,6 +293,8 @@ class CoreServer:
                 kind = message[0]
                 if kind == "hello":
                     self.peers.add(peer)
+                    if len(message) > 1:
+                        self.watch(peer, message[1])
                     if self.info is not None:
                         self.post(peer, ("ready", self.info))
                 elif kind == "submit":
