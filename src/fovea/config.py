@@ -21,6 +21,9 @@ class ServerSettings:
     port: int = 8000
     device: str = "auto"
     dtype: str = "auto"
+    # "auto": the directory's weights (bf16/fp16/fp32, or a quantized format its config names);
+    # "dummy": random weights of its shapes and format, made on the device (benchmarks only).
+    load_format: str = "auto"
     served_model_name: str | None = None
     # "agg": the vision stage in this process; "e_pd": in encode_workers processes of their
     # own (fovea.disagg: vision weights only, verified hand-off), this one prefills and decodes.

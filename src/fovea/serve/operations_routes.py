@@ -36,6 +36,8 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
             "device": str(loaded.device),
             "dtype": contract.dtype,
             "vision_dtype": contract.vision_dtype,
+            "quantization": contract.quantization,
+            "load_format": contract.load_format,
             "model_family": loaded.adapter.family.name,
             "topology": settings.topology,
             "encode_workers": workers,
@@ -80,6 +82,7 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
             "owned_by": "fovea",
             "root": state.model_name,  # not the server's filesystem path
             "max_model_len": getattr(engine, "max_context", loaded.context_length),
+            "quantization": contract.quantization,  # the checkpoint's format; null: unquantized
         }
 
     @router.get("/v1/models")
