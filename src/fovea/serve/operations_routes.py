@@ -51,7 +51,8 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
             "canary": None if last is None else {
                 "ok": last.ok, "min_ablation_kl": last.min_ablation_kl, "threshold": last.threshold,
                 "checked_at": last.checked_at, "answers": {c.colour: c.answer for c in last.cases},
-                "probe_size": last.probe_size, "answer_tokens": last.answer_tokens},
+                "probe_size": last.probe_size, "answer_tokens": last.answer_tokens,
+                "meaningful": state.canary_meaningful},
         }
         code = 503 if (settings.strict and status != "ok") else 200
         return JSONResponse(body, status_code=code)
