@@ -26,7 +26,7 @@ INIT_STD = 0.02
 def random_quant(fmt: QuantFormat, linear: nn.Linear, device: torch.device, dtype: torch.dtype,
                  generator: torch.Generator):
     n, k = linear.out_features, linear.in_features
-    if fmt.scheme in ("w4a16", "awq"):
+    if fmt.is_int4:
         return Int4Weight.random(n, k, fmt.group_size, fmt.symmetric, dtype, device, generator=generator)
     return Fp8Weight.random(n, k, fmt.block, device, generator=generator)
 

@@ -172,10 +172,10 @@ def load_quantized(model_class: type, path: Path, config: Any, fmt: QuantFormat,
         if not isinstance(module, nn.Linear):
             raise ModelLoadError(f"{path}: {prefix!r} is quantized in the checkpoint but is a "
                                  f"{type(module).__name__} in the model; fovea quantizes linear layers only")
-        quant = read_linear(fmt, tensors.get, prefix)
+        quant = read_linear(fmt, tensors.get, prefix, dtype)
         if quant is None:
             raise ModelLoadError(f"{path}: {prefix!r} has {fmt.label} tensors that do not make a whole weight")
-        quant = with_scale_dtype(quant.to(device), dtype)
+        quant = quant.to(device)
         bias = tensors.get(f"{prefix}.bias")
         if bias is not None:
             bias = bias.to(device=device, dtype=dtype)
@@ -223,14 +223,6 @@ def tie_embeddings(model: nn.Module, pending: dict[str, nn.Parameter]) -> None:
     if isinstance(head, nn.Linear) and head.weight.device.type == "meta":
         head.weight = model.get_input_embeddings().weight
         pending.pop("lm_head.weight")
-
-
-def with_scale_dtype(quant: QuantWeight, dtype: torch.dtype) -> QuantWeight:
-    """Int4 scales and zeros in the served dtype (the kernels multiply in it); FP8 scales stay float32."""
-    if isinstance(quant, Int4Weight) and quant.scales.dtype != dtype:
-        zeros = quant.zeros.to(dtype) if quant.zeros is not None else None
-        return Int4Weight(quant.packed, quant.scales.to(dtype), zeros, quant.group)
-    return quant
 
 
 def quantized_linears(model: nn.Module) -> dict[str, QuantLinear]:
