@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from fovea.engine.kernels import triton_ops
 from fovea.engine.model.attention import AttentionBackend, AttnMeta, attention, write_kv
 from fovea.engine.model.kv_cache import KVCache, KVShape
-from fovea.engine.model.quant_linear import fuse_weights, fused_linear, torch_linear, weight_of
+from fovea.engine.model.quant_linear import fuse_weights, fused_linear, mixed_linear, torch_linear, weight_of
 from fovea.engine.model.weights import fuse_rows
 from fovea.errors import ModelLoadError
 from fovea.models.base import LanguageModelSpec
@@ -163,6 +163,7 @@ class PagedLlama:
         self.final_norm = lm.norm.weight
         self.lm_head = self.embed if spec.lm_head is None else spec.lm_head.weight
         self.fused = fused
+        self.quant_kernels = True  # False: quantized layers dequantised per call (their start-up check failed)
         self.layers = [self._layer(layer, fused) for layer in lm.layers]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         inv = inverse_frequencies(text, self.head_dim)
@@ -286,7 +287,7 @@ class PagedLlama:
         tokens = hidden.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
-        linear = fused_linear
+        linear = fused_linear if self.quant_kernels else mixed_linear
         cos_table, sin_table, positions = self.rope_tables(positions)
         x = triton_ops.add_rms_norm(hidden, self.layers[0].in_norm, self.eps)
         for index, w in enumerate(self.layers):

@@ -47,6 +47,12 @@ def fused_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = No
     return quant_matmul.int4_linear(x, weight.packed, weight.scales, weight.zeros, weight.group, bias)
 
 
+def mixed_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused path with its quantized kernels turned off: Triton/cuBLAS for tensors, the
+    dequantising torch path for quantized weights."""
+    return triton_ops.linear(x, weight, bias) if isinstance(weight, torch.Tensor) else torch_linear(x, weight, bias)
+
+
 def rows(weight: QuantWeight, start: int, end: int) -> QuantWeight:
     """Output rows ``start:end`` of a quantized weight, as views of its tensors."""
     if isinstance(weight, Int4Weight):
@@ -83,3 +89,29 @@ def fuse_weights(modules: list[torch.nn.Module]) -> Weight | None:
         start += quant.out_features
     modules[0]._fovea_fused_quant = fused
     return fused
+
+
+def quantized_kernels_problem(layers: list, dtype: torch.dtype, device: torch.device) -> str | None:
+    """The start-up check of the quantized layers' kernels: the first layer's fused q/k/v and
+    down weights through ``fused_linear`` against ``torch_linear`` (the same quantised
+    activations, the dequantised weight) on a few random rows. None when they agree to the
+    output dtype's rounding, else what disagreed (the engine then runs those layers on the torch
+    path: slower, never wrong)."""
+    if not layers:
+        return None
+    first = layers[0]
+    weights = {name: w for name, w in (("qkv", first.qkv), ("down", first.down))
+               if w is not None and not isinstance(w, torch.Tensor)}
+    generator = torch.Generator().manual_seed(0)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # relative, of a sum over K products rounded once
+    for name, weight in weights.items():
+        x = torch.randn(3, weight.in_features, generator=generator).to(device, dtype)
+        try:
+            got = fused_linear(x, weight).float()
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is a disagreement
+            return f"{type(weight).__name__} {name}: {type(exc).__name__}: {exc}"
+        ref = torch_linear(x, weight).float()
+        err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+        if not err <= tolerance:
+            return f"{type(weight).__name__} {name}: relative error {err:.2e} > {tolerance:.0e}"
+    return None
