@@ -204,6 +204,10 @@ class PagedLlama:
             extra = {"qkv": fuse_weights(qkv_modules), "qkv_bias": fuse_rows(qkv_modules, "bias"),
                      "gate_up": fuse_weights(gate_up_modules),
                      "gate_up_bias": fuse_rows(gate_up_modules, "bias")}
+            if extra["qkv"] is None or extra["gate_up"] is None:  # quantized weights that cannot be stacked
+                raise ModelLoadError("the fused forward stacks q/k/v and gate/up into one product each, and this "
+                                     "checkpoint's quantized weights cannot be (mixed formats, or block-FP8 rows "
+                                     "that do not fall on the scale blocks); report the checkpoint, with its config.json")
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         extra["q_norm"] = q_norm.weight if q_norm is not None else None
         extra["k_norm"] = k_norm.weight if k_norm is not None else None
