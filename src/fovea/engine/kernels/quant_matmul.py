@@ -145,8 +145,8 @@ def _kernels():
                 a_s = tl.load(AS + offs_m * stride_as + kb, mask=m_ok, other=0.0)
                 b_s = tl.load(BS + (offs_n // group_n) * stride_bsn + kb, mask=n_ok, other=0.0)
                 acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-            else:
-                acc = tl.dot(a, b, acc)
+            else:  # each tile's product added in float32: Hopper's fp8 MMA accumulates with fewer bits
+                acc += tl.dot(a, b)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         if not BLOCK_SCALED:
@@ -268,11 +268,11 @@ def int4_candidates(rows: int, group: int) -> list[GemmConfig]:
         configs = [GemmConfig(64, 128, 64, 1, 4, 4), GemmConfig(128, 128, 64, 1, 8, 3), GemmConfig(64, 64, 64, 1, 4, 4)]
     else:
         configs = [GemmConfig(128, 128, 64, 1, 8, 3), GemmConfig(128, 256, 64, 1, 8, 3), GemmConfig(64, 128, 64, 1, 4, 4)]
-    return [GemmConfig(c.block_m, c.block_n, _int4_block_k(c.block_k, group), c.split_k, c.num_warps, c.num_stages)
+    return [GemmConfig(c.block_m, c.block_n, _pow2_divisor(c.block_k, group), c.split_k, c.num_warps, c.num_stages)
             for c in configs]
 
 
-def _int4_block_k(want: int, group: int) -> int:
+def _pow2_divisor(want: int, group: int) -> int:
     """The largest power of two <= want that divides the group."""
     bk = want
     while bk > 1 and group % bk:
@@ -333,7 +333,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: to
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     scale = scale.contiguous()
-    bk_max = 128 if block is None else min(128, _int4_block_k(128, block[1]))
+    bk_max = 128 if block is None else min(128, _pow2_divisor(128, block[1]))
     if config is None:
         key = ("fp8" if block is None else f"fp8-block{block}", _m_bucket(rows), n, k, str(out_dtype))
         config = _choose(key, fp8_candidates(rows, bk_max),
@@ -453,7 +453,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     xq, xs = quantize_per_token_group(x2, bk)
-    if _triton_fp8_runs(x2) and _int4_block_k(128, bk) >= 16:
+    if _triton_fp8_runs(x2) and _pow2_divisor(128, bk) >= 16:
         y = fp8_gemm(xq, xs, weight, scale, bias, out_dtype, (bn, bk), config)
     else:
         a = xq.float() * xs.repeat_interleave(bk, 1)[:, :k]
@@ -525,7 +525,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"int4 weight: packed {tuple(packed.shape)}, scales {tuple(scales.shape)} and group {group} "
                          f"do not fit K = {k}")
     x2 = x.reshape(-1, k)
-    if can_run_triton(x2) and _int4_block_k(128, group) >= 16:
+    if can_run_triton(x2) and _pow2_divisor(128, group) >= 16:
         y = int4_gemm(x2, packed, scales, zeros, group, bias, config)
     else:
         y = x2.float() @ dequantize_int4(packed, scales, zeros, group).t()
