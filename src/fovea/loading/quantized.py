@@ -23,14 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fovea.errors import ModelLoadError
 from fovea.guard.memory import safetensors_files
 from fovea.quant.formats import QuantFormat
 from fovea.quant.readers import quantized_prefixes, read_linear
-from fovea.quant.weights import Fp8Weight, Int4Weight, QuantWeight
+from fovea.quant.weights import Fp8Weight, Int4Weight, QuantWeight, dequantized_linear
 
 log = logging.getLogger("fovea.model")
 
@@ -53,7 +52,7 @@ class QuantLinear(nn.Module):
         return self.quant.dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.quant.dequantize(x.dtype), self.bias)
+        return dequantized_linear(x, self.quant, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {type(self.quant).__name__}"

@@ -213,5 +213,20 @@ QuantWeight = Fp8Weight | Int4Weight
 
 
 def dequantized_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch path (CPU, tests): dequantise the layer on the fly in the activations' dtype."""
+    """The torch path (CPU, tests, the reference): the layer dequantised on the fly in the
+    activations' dtype. An FP8 layer first quantises its activations as its format defines
+    (dynamic e4m3 per token, or per token and block column group), as the GPU kernels and
+    compressed-tensors' own forward do: W8A8 computed in floating point, not a W8A16 model."""
+    if isinstance(w, Fp8Weight):
+        x = fake_quantized_activations(x, w.block[1] if w.block is not None else x.shape[-1])
     return F.linear(x, w.dequantize(x.dtype), bias)
+
+
+def fake_quantized_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` after dynamic e4m3 quantisation in column groups of ``group``, and back (in its dtype)."""
+    from fovea.engine.kernels.fp8_quantize import quantize_groups_torch
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    q, scale = quantize_groups_torch(x.reshape(-1, k), group)
+    back = q.float() * scale.repeat_interleave(group, dim=1)[:, :k]
+    return back.to(x.dtype).reshape(*lead, k)

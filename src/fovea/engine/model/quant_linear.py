@@ -30,6 +30,8 @@ def weight_of(module: torch.nn.Module) -> Weight:
 
 
 def torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; for a quantized weight, the format's own computation in torch
+    (``dequantized_linear``: FP8 layers quantise their activations first)."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
     return dequantized_linear(x, weight, bias)
