@@ -177,3 +177,12 @@ def test_leaves_unquantized_modules_to_not_convert():
     layers = read_format({"quantization_config": {**QWEN3_VL_FP8, "modules_to_not_convert": ["model.layers.1"]}})
     assert layers.leaves_unquantized("model.layers.1.mlp.up_proj")
     assert not layers.leaves_unquantized("model.layers.10.mlp.up_proj")
+
+
+def test_compressed_tensors_missing_is_a_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "compressed_tensors.quantization", None)  # import now raises ImportError
+    with pytest.raises(ModelLoadError, match="needs the compressed-tensors package"):
+        read_format({"quantization_config": CT_W4A16})
+    assert read_format({"quantization_config": QWEN25_VL_AWQ}).scheme == "awq"  # the others need nothing

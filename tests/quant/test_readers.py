@@ -215,3 +215,46 @@ def test_quantized_prefixes_and_suffixes():
     assert tensor_suffixes(fmts["awq"]) == {"qweight", "qzeros", "scales"}
     assert {"weight_packed", "weight_zero_point", "weight_shape"} <= tensor_suffixes(fmts["ct-w4a16"])
     assert "bias" not in QUANT_SUFFIXES and "weight_scale_inv" in QUANT_SUFFIXES
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # k/v_proj have 64 rows: a partial 128-row block for FP8_BLOCK.
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama-bf16")
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("scheme,expected", [("FP8_DYNAMIC", "fp8-channel"), ("FP8_BLOCK", "fp8-block"),
+                                             ("W4A16", "w4a16"), ("W4A16_ASYM", "w4a16")])
+def test_llmcompressor_checkpoint_reads_like_transformers_decompresses_it(tiny_llama, tmp_path, scheme, expected):
+    """A checkpoint as users get it: llmcompressor's oneshot + save_pretrained; the reference is transformers
+    loading the directory with compressed-tensors decompressing (run_compressed=False)."""
+    import json
+
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]))
+    model.save_pretrained(tmp_path, save_compressed=True)
+    fmt = read_format(json.loads((tmp_path / "config.json").read_text()))
+    assert fmt.scheme == expected and fmt.leaves_unquantized("lm_head")
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=CompressedTensorsConfig(run_compressed=False)).state_dict()
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        prefixes = quantized_prefixes(names, fmt)
+        assert len(prefixes) == 7 and not any(fmt.leaves_unquantized(p) for p in prefixes)
+        for prefix in sorted(prefixes):
+            w = read_linear(fmt, lambda n: f.get_tensor(n) if n in names else None, prefix, dtype=torch.bfloat16)
+            assert torch.equal(w.dequantize(torch.bfloat16), reference[f"{prefix}.weight"]), prefix
+        assert read_linear(fmt, lambda n: f.get_tensor(n) if n in names else None, "lm_head") is None

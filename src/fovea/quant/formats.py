@@ -153,7 +153,12 @@ def _read_awq(qc: dict) -> QuantFormat:
 def _read_compressed_tensors(qc: dict) -> QuantFormat:
     # compressed-tensors' own pydantic classes parse the config (presets, aliases, defaults), imported here
     # because only quantized checkpoints need them.
-    from compressed_tensors.quantization import QuantizationConfig
+    try:
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError as exc:
+        raise ModelLoadError("this checkpoint is quantized with compressed-tensors; reading it needs the "
+                             "compressed-tensors package (pip install compressed-tensors)",
+                             code="unsupported_quantization") from exc
 
     sparsity = qc.get("sparsity_config") or {}
     if sparsity and sparsity.get("format", "dense") != "dense":
