@@ -153,21 +153,31 @@ def _read_awq(qc: dict) -> QuantFormat:
 def _read_compressed_tensors(qc: dict) -> QuantFormat:
     # compressed-tensors' own pydantic classes parse the config (presets, aliases, defaults), imported here
     # because only quantized checkpoints need them.
-    from compressed_tensors.quantization import QuantizationConfig
+    try:
+        from compressed_tensors.quantization import QuantizationConfig
+    except ImportError as exc:
+        raise ModelLoadError("this checkpoint is quantized with compressed-tensors; reading it needs the "
+                             "compressed-tensors package (pip install compressed-tensors)",
+                             code="unsupported_quantization") from exc
 
     sparsity = qc.get("sparsity_config") or {}
     if sparsity and sparsity.get("format", "dense") != "dense":
         raise refuse(f"compressed-tensors sparse ({sparsity.get('format')})")
     if qc.get("transform_config"):
         raise refuse("compressed-tensors with rotations (transform_config)")
+    for group in (qc.get("config_groups") or {}).values():
+        # Checked before parsing: compressed-tensors 0.19 no longer parses the group ordering at all.
+        if isinstance(group, dict) and str((group.get("weights") or {}).get("actorder")) in ("group", "dynamic"):
+            raise refuse("compressed-tensors int4 with activation ordering (act-order, weight_g_idx)")
     try:
         config = QuantizationConfig.model_validate(qc)
     except Exception as exc:  # pydantic's ValidationError or a preset's ValueError: either way unreadable
         raise refuse(f"compressed-tensors config it cannot parse ({str(exc).splitlines()[0]})") from exc
     if config.kv_cache_scheme is not None:
         raise refuse("compressed-tensors with a quantized KV cache (kv_cache_scheme)")
-    if config.quantization_status != "compressed":
-        raise refuse(f"compressed-tensors in status {config.quantization_status!r} (weights not compressed)")
+    status = getattr(config.quantization_status, "value", config.quantization_status)
+    if status != "compressed":
+        raise refuse(f"compressed-tensors in status {status!r} (weights not compressed)")
     found: set[tuple] = set()
     targets: list[str] = []
     for scheme in config.config_groups.values():
