@@ -116,3 +116,25 @@ def test_a_quantized_layer_missing_from_the_checkpoint_is_refused_not_left_rando
     save_file(tensors, target / "model.safetensors")
     with pytest.raises(ModelLoadError, match="missing from the checkpoint"):
         load_model(target, "cpu", "float32")
+
+
+def test_health_models_and_doctor_name_the_format(quantized_dir):
+    from fastapi.testclient import TestClient
+
+    from fovea.config import ServerSettings
+    from fovea.guard.doctor import contract_checks
+    from fovea.serve.app import create_app
+
+    path = quantized_dir("qwen2_5_vl", "w4a16")
+    settings = ServerSettings(model=path, device="cpu", dtype="float32", canary=False)
+    with TestClient(create_app(settings)) as client:
+        health = client.get("/health").json()
+        card = client.get("/v1/models").json()["data"][0]
+        answer = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0})
+    label = load_model(path, "cpu", "float32", weights=False).quantization.label
+    assert health["quantization"] == label and card["quantization"] == label and "W4A16" in label
+    assert health["load_format"] == "auto" and health["dtype"] == "float32" and health["vision_dtype"] == "float32"
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
+    checks = {c.name: c for c in contract_checks(path, "cpu", "float32")}
+    assert label in checks["model.quantization"].detail and checks["model.quantization"].status.name == "PASS"
