@@ -16,8 +16,9 @@ Three formats, each the way its released checkpoints are made:
   (the weight observer's min/max): no GPTQ, no AWQ.
 - ``fp8-block``: Qwen's own fine-grained FP8 (``quant_method: fp8``, e4m3 weights with one float32
   ``weight_scale_inv`` per ``weight_block_size`` block), as ``Qwen/Qwen3-VL-8B-Instruct-FP8``
-  ships it. Made by transformers' ``FineGrainedFP8Config`` quantising on load and
-  ``save_pretrained`` writing the format (see ``write_fine_grained_fp8``).
+  ships it. Quantised by transformers' own FP8 op (``Fp8Quantize``, what its
+  ``FineGrainedFP8Config`` quantizer applies on load) and written by ``save_pretrained`` (see
+  ``write_fine_grained_fp8`` for why not through the quantizer itself).
 
 FP8_DYNAMIC, round-to-nearest W4A16 and the fine-grained FP8 need no calibration data, so a 7B
 bf16 directory is quantised the same way on the GPU machine (llmcompressor moves the layers to
@@ -53,6 +54,10 @@ IGNORE = ["re:.*lm_head", "re:visual.*", "re:model.visual.*", "re:vision_tower.*
           "re:multi_modal_projector.*", "re:model.multi_modal_projector.*"]
 COMPRESSED_TENSORS_SCHEMES = {"fp8-dynamic": "FP8_DYNAMIC", "w4a16": "W4A16", "w4a16-asym": "W4A16_ASYM"}
 SCHEMES = (*COMPRESSED_TENSORS_SCHEMES, "fp8-block")
+# The tiny test models (``write_model_dir(arch="tiny")``) are 32-256 wide: W4A16 in groups of 32
+# input columns and FP8 in 32 x 32 blocks, so each row has several (the releases' 128 would leave one).
+TINY_GROUP_SIZE = 32
+TINY_BLOCK = (32, 32)
 WEIGHT_FILES = re.compile(r".*\.safetensors(\.index\.json)?$")
 
 
@@ -124,12 +129,14 @@ def compressed_tensors_scheme(scheme: str, group_size: int | None):
     return preset
 
 
-def write_compressed_tensors(src: Path, dst: Path, scheme: str, group_size: int | None = 128) -> Path:
+def write_compressed_tensors(src: Path, dst: Path, scheme: str, group_size: int | None = 128,
+                             ignore: list[str] = IGNORE) -> Path:
     """A compressed-tensors copy of ``src`` made by llmcompressor's ``oneshot`` (no calibration data).
 
     ``scheme``: "fp8-dynamic" (the FP8_DYNAMIC preset), "w4a16" (W4A16: symmetric int4, groups
     along the input) or "w4a16-asym" (W4A16_ASYM: with zero points); ``group_size`` replaces the
-    W4A16 presets' 128 and must divide every quantized layer's input width. Saved with
+    W4A16 presets' 128 and must divide every quantized layer's input width. ``ignore``: the
+    recipe's ignore list (tests pass a shorter one to make a wrongly quantized directory). Saved with
     ``save_compressed=True``, so the tensors are the compressed format's (``weight`` e4m3 and
     ``weight_scale`` [N, 1]; ``weight_packed`` int32, ``weight_scale``, ``weight_shape`` and, for
     the asymmetric preset, ``weight_zero_point``).
@@ -142,7 +149,7 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, group_size: int 
     src, dst = Path(src), Path(dst)
     model = load_source(src)
     group = {"group_0": compressed_tensors_scheme(scheme, group_size)}
-    recipe = QuantizationModifier(config_groups=group, ignore=IGNORE)
+    recipe = QuantizationModifier(config_groups=group, ignore=list(ignore))
     with _tokenizers_parallelism_kept():
         oneshot(model=model, recipe=recipe)
     dst.mkdir(parents=True, exist_ok=True)
@@ -151,54 +158,46 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, group_size: int 
     return dst
 
 
-@contextlib.contextmanager
-def _fp8_quantization_on_cpu() -> Iterator[None]:
-    """transformers' ``FineGrainedFP8HfQuantizer.validate_environment`` refuses to quantise on load
-    without a CUDA or XPU device ("A GPU or XPU is needed for FP8 quantization") although the
-    quantisation itself (``integrations.finegrained_fp8.Fp8Quantize``: per block, absmax / 448 as
-    ``weight_scale_inv``, the weight divided by it and cast to e4m3) is plain torch. Where there is
-    no such device, only that check is skipped; the module swap, the arithmetic and the save are
-    transformers' own."""
+def write_fine_grained_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """Qwen's fine-grained FP8 copy of ``src``: each linear layer of the language model quantized by
+    transformers' own ``Fp8Quantize`` (``integrations/finegrained_fp8.py``, the op its
+    ``FineGrainedFP8Config`` quantizer applies on load: per block, ``weight_scale_inv`` = absmax / 448
+    in float32 and the weight divided by it, cast to e4m3) and the model saved by ``save_pretrained``.
+
+    Why not ``from_pretrained(..., quantization_config=FineGrainedFP8Config(...))`` and
+    ``save_pretrained``: in transformers 5.17 the quantizer refuses to run without a CUDA or XPU
+    device, and, worse, its on-the-fly loading casts each bf16 weight to float8_e4m3fn unscaled
+    (the FP8Linear's dtype) before quantizing it, flushing small weights to e4m3's subnormals
+    (huggingface/transformers#48352, "Fix fp8 dtype", open). The op on the source tensors is the
+    quantizer's arithmetic without that cast.
+
+    ``block`` is ``weight_block_size`` [bn, bk] and must divide every quantized layer's shape (the
+    op leaves a layer it cannot tile unquantized; refused here rather than written unlisted).
+    ``quantization_config`` has the fields Qwen's releases carry: ``quant_method``, ``fmt``,
+    ``activation_scheme``, ``weight_block_size`` and ``modules_to_not_convert`` (the vision tower's,
+    the merger's / projector's linear layers and ``lm_head``, by name).
+    """
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
-    if torch.cuda.is_available():
-        yield
-        return
-    from unittest import mock
-
-    with mock.patch.object(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None):
-        yield
-
-
-def write_fine_grained_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 128)) -> Path:
-    """Qwen's fine-grained FP8 copy of ``src``: transformers' ``FineGrainedFP8Config`` quantises the
-    language model's linear layers on load (e4m3 ``weight``, float32 ``weight_scale_inv`` of shape
-    [N / bn, K / bk]) and ``save_pretrained`` writes them.
-
-    ``block`` is ``weight_block_size`` [bn, bk] and must divide every quantized layer's shape
-    (transformers' quantizer leaves a layer it cannot tile in the source dtype; that is refused
-    here rather than written unlisted). ``quantization_config`` is then written with the fields
-    Qwen's releases carry: ``quant_method``, ``fmt``, ``activation_scheme``, ``weight_block_size``
-    and ``modules_to_not_convert`` (the vision tower's, the merger's / projector's linear layers
-    and ``lm_head`` by name), without transformers' own loading options (``dequantize``,
-    ``scale_fmt``, ``modules_to_convert``).
-    """
-    from transformers import AutoConfig, AutoModelForImageTextToText, FineGrainedFP8Config
-
     src, dst = Path(src), Path(dst)
-    with torch.device("meta"):
-        skeleton = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(src))
-    keep = [name for name in linear_names(skeleton) if unquantized(name)]
-    for name in linear_names(skeleton):
-        shape = tuple(skeleton.get_submodule(name).weight.shape)
-        if not unquantized(name) and (shape[0] % block[0] or shape[1] % block[1]):
-            raise ValueError(f"{name}: weight {shape} does not tile into {list(block)} blocks")
+    model = load_source(src)
+    names = linear_names(model)
+    keep = [name for name in names if unquantized(name)]
     config = FineGrainedFP8Config(activation_scheme="dynamic", weight_block_size=list(block),
                                   modules_to_not_convert=keep)
-    with _fp8_quantization_on_cpu():
-        model = load_source(src, quantization_config=config)
+    quantize = Fp8Quantize(FineGrainedFP8HfQuantizer(config))
+    state = {key: tensor.detach() for key, tensor in model.state_dict().items()}
+    for name in names:
+        if name in keep:
+            continue
+        weight = state.pop(f"{name}.weight")
+        if weight.shape[0] % block[0] or weight.shape[1] % block[1]:
+            raise ValueError(f"{name}: weight {tuple(weight.shape)} does not tile into {list(block)} blocks")
+        state.update(quantize.convert({f"{name}.weight": weight}))
     dst.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(dst)
+    model.save_pretrained(dst, state_dict=state)
     written = json.loads((dst / "config.json").read_text())
     written["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": list(block), "modules_to_not_convert": keep}
