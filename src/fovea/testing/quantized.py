@@ -148,8 +148,11 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, group_size: int 
 
     src, dst = Path(src), Path(dst)
     model = load_source(src)
-    group = {"group_0": compressed_tensors_scheme(scheme, group_size)}
-    recipe = QuantizationModifier(config_groups=group, ignore=list(ignore))
+    if scheme == "fp8-dynamic" or group_size is None:  # the released recipes' own form
+        recipe = QuantizationModifier(targets="Linear", scheme=COMPRESSED_TENSORS_SCHEMES[scheme], ignore=list(ignore))
+    else:
+        group = {"group_0": compressed_tensors_scheme(scheme, group_size)}
+        recipe = QuantizationModifier(config_groups=group, ignore=list(ignore))
     with _tokenizers_parallelism_kept():
         oneshot(model=model, recipe=recipe)
     dst.mkdir(parents=True, exist_ok=True)
