@@ -2,11 +2,11 @@
 
 ``quantized_dir(family, scheme)`` returns a directory, written on first use and kept for the
 session: the family's tiny bf16 directory (``write_model_dir(arch="tiny")``) quantized by
-``fovea.testing.quantized`` with llmcompressor (compressed-tensors ``fp8-dynamic``, ``w4a16``,
-``w4a16-asym``) or transformers' ``FineGrainedFP8Config`` (``fp8-block``). The tiny models are
-32-256 wide, so W4A16's groups are 32 columns and the FP8 blocks 32 x 32 (the released
-checkpoints' 128 would leave one group or block per row). Each takes well under a second once
-llmcompressor is imported (a few seconds, once).
+``fovea.testing.quantized``: with compressed-tensors (``fp8-dynamic``, ``w4a16``, ``w4a16-asym``,
+as llmcompressor's QuantizationModifier writes them; llmcompressor itself is not a dependency) or
+transformers' own FP8 op (``fp8-block``). The tiny models are 32-256 wide, so W4A16's groups are
+32 columns and the FP8 blocks 32 x 32 (the released checkpoints' 128 would leave one group or
+block per row). Each takes a fraction of a second.
 """
 
 from __future__ import annotations
@@ -44,9 +44,6 @@ def quantized_dir(tmp_path_factory, source_dir) -> Callable[[str, str], Path]:
 
     def get(family: str, scheme: str) -> Path:
         if (family, scheme) not in made:
-            if scheme in quantized.COMPRESSED_TENSORS_SCHEMES:
-                pytest.importorskip("llmcompressor", reason="compressed-tensors test checkpoints are made by "
-                                    "llmcompressor (the test extra)")
             out = tmp_path_factory.mktemp(f"{family}-{scheme}")
             made[family, scheme] = quantized.write_quantized(source_dir(family), out, scheme, GROUP_SIZE, BLOCK)
         return made[family, scheme]

@@ -1,46 +1,51 @@
-"""Quantized copies of a model directory, written by the formats' own tools, as users download them.
+"""Quantized copies of a model directory, written by the formats' own code, as users download them.
 
     python -m fovea.testing.quantized SRC DST --scheme fp8-dynamic|w4a16|w4a16-asym|fp8-block [--group-size 128]
 
 Three formats, each the way its released checkpoints are made:
 
-- ``fp8-dynamic``: compressed-tensors ``float-quantized``, made by llmcompressor's ``oneshot`` with
-  ``QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC")`` (FP8 e4m3 weights with one scale
-  per output channel, FP8 activations quantised per token at run time), as
-  ``RedHatAI/Qwen2.5-VL-7B-Instruct-FP8-Dynamic`` was.
+- ``fp8-dynamic``: compressed-tensors ``float-quantized``, what llmcompressor's
+  ``QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=...)`` writes (FP8 e4m3
+  weights with one scale per output channel, FP8 activations quantised per token at run time), as
+  ``RedHatAI/Qwen2.5-VL-7B-Instruct-FP8-Dynamic`` was made.
 - ``w4a16`` / ``w4a16-asym``: compressed-tensors ``pack-quantized`` (int4 weights, eight to an
   int32, one scale per group of input columns; the asymmetric preset adds packed zero points),
-  made by the same ``QuantizationModifier`` with the ``W4A16`` / ``W4A16_ASYM`` presets' settings
-  and only the group size changed (the presets' 128 is the default; the tiny test models are
-  32-256 wide, so their fixtures use 32). ``QuantizationModifier`` alone rounds to nearest
-  (the weight observer's min/max): no GPTQ, no AWQ.
+  what the same recipe writes with the ``W4A16`` / ``W4A16_ASYM`` presets and only the group size
+  changed (the presets' 128 is the default; the tiny test models are 32-256 wide, so their
+  fixtures use 32). That recipe alone rounds to nearest: no GPTQ, no AWQ.
 - ``fp8-block``: Qwen's own fine-grained FP8 (``quant_method: fp8``, e4m3 weights with one float32
   ``weight_scale_inv`` per ``weight_block_size`` block), as ``Qwen/Qwen3-VL-8B-Instruct-FP8``
   ships it. Quantised by transformers' own FP8 op (``Fp8Quantize``, what its
   ``FineGrainedFP8Config`` quantizer applies on load) and written by ``save_pretrained`` (see
   ``write_fine_grained_fp8`` for why not through the quantizer itself).
 
-FP8_DYNAMIC, round-to-nearest W4A16 and the fine-grained FP8 need no calibration data, so a 7B
-bf16 directory is quantised the same way on the GPU machine (llmcompressor moves the layers to
-the GPU itself): ``python -m fovea.testing.quantized /models/qwen7b /models/qwen7b-fp8 --scheme
-fp8-dynamic``.
+The compressed-tensors directories are made without llmcompressor: it pins an older transformers
+(0.14: ``transformers<=5.17``) that cannot load Qwen's image processors without torchvision, so it
+cannot be a test dependency. What llmcompressor contributes to these recipes is one choice, the
+scales: its default ``minmax`` observer's per-channel / per-group min and max, turned into scales
+and zero points by compressed-tensors' ``calculate_qparams`` (``observe_minmax`` here). Everything
+about the format is compressed-tensors' own code: the preset scheme, attaching it to the layers
+(``apply_quantization_config``), quantising and packing (``ModelCompressor.compress_model``), the
+ignore list and the ``quantization_config`` it writes into config.json (``update_config``).
 
-Everything but the language model's linear layers stays unquantised and in the source dtype: the
-vision tower, the projector / merger and ``lm_head``, exactly as the released checkpoints' recipes
-ignore them. The tokenizer, processor and chat template are copied, so the directory is
-servable. The writers are deterministic (round to nearest, no data).
+FP8_DYNAMIC, round-to-nearest W4A16 and the fine-grained FP8 need no calibration data, so a 7B
+bf16 directory is quantised the same way, on the CPU: ``python -m fovea.testing.quantized
+/models/qwen7b /models/qwen7b-fp8 --scheme fp8-dynamic``.
+
+Everything but the language model's linear layers stays unquantised and in the source dtype, bit
+for bit: the vision tower, the projector / merger and ``lm_head``, exactly as the released
+checkpoints' recipes ignore them, and the embeddings, norms and biases. The tokenizer, processor
+and chat template are copied, so the directory is servable. The writers are deterministic (round
+to nearest, no data).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -106,19 +111,6 @@ def copy_serving_files(src: Path, dst: Path) -> None:
             shutil.copy2(file, dst / file.name)
 
 
-@contextlib.contextmanager
-def _tokenizers_parallelism_kept() -> Iterator[None]:
-    """llmcompressor's ``oneshot`` sets TOKENIZERS_PARALLELISM=false for the whole process; put it back."""
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
-
-
 def compressed_tensors_scheme(scheme: str, group_size: int | None):
     """The preset's ``QuantizationScheme`` for Linear layers; W4A16's group size replaced when given."""
     from compressed_tensors.quantization import preset_name_to_scheme
@@ -129,34 +121,101 @@ def compressed_tensors_scheme(scheme: str, group_size: int | None):
     return preset
 
 
+def observe_minmax(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight's scale and zero point as llmcompressor's default ``minmax`` weight observer chooses
+    them: the min and max of each quantization unit (the whole tensor, an output channel, a group
+    of input columns or a block, zero-padded to whole blocks), in the weight's dtype, given to
+    compressed-tensors' ``calculate_qparams`` (which widens the range to hold 0 and divides by the
+    type's range). Shapes are the compressed-tensors parameters': [N, 1] per channel, [N, K / g]
+    per group, [ceil(N / bn), ceil(K / bk)] per block."""
+    from compressed_tensors.quantization.utils import calculate_qparams, maybe_pad_tensor_for_block_quant
+
+    if args.strategy == "tensor":
+        lo, hi = weight.amin(), weight.amax()
+    elif args.strategy == "channel":
+        lo, hi = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+    elif args.strategy == "group":
+        groups = weight.unflatten(-1, (-1, args.group_size))
+        lo, hi = groups.amin(-1), groups.amax(-1)
+    elif args.strategy == "block":
+        bn, bk = args.block_structure
+        padded = maybe_pad_tensor_for_block_quant(weight, args.block_structure)
+        blocks = padded.unflatten(0, (-1, bn)).unflatten(-1, (-1, bk))
+        lo, hi = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+    else:
+        raise ValueError(f"no min/max observation for the {args.strategy!r} strategy")
+    return calculate_qparams(lo, hi, args)
+
+
+def quantize_compressed_tensors(model: torch.nn.Module, scheme, ignore: list[str]):
+    """Quantize ``model`` in place as llmcompressor's ``QuantizationModifier(config_groups={"group_0":
+    scheme}, ignore=ignore)`` does without data, and compress it for saving; returns the
+    ``ModelCompressor`` whose ``update_config`` writes the ``quantization_config``.
+
+    compressed-tensors attaches the scheme to every targeted, not ignored module
+    (``apply_quantization_config``: the scale and zero-point parameters, in the weight's dtype),
+    ``observe_minmax`` fills them, and compressed-tensors compresses each layer in the format it
+    infers for the scheme (``float-quantized``, ``pack-quantized``) and lists every module of a
+    quantized type left unquantized, by name, as the config's ``ignore``."""
+    from compressed_tensors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore))
+    apply_quantization_config(model, config, show_progress=False)
+    layers = [(name, module) for name, module in model.named_modules()
+              if getattr(module, "quantization_scheme", None) is not None]
+    if not layers:
+        raise ValueError(f"no module matches {scheme.targets} outside the ignore list {list(ignore)}")
+    with torch.no_grad():
+        for name, module in layers:
+            args = module.quantization_scheme.weights
+            if args.strategy == "group" and module.weight.shape[-1] % args.group_size:
+                raise ValueError(f"{name}: {module.weight.shape[-1]} input columns do not divide into groups "
+                                 f"of {args.group_size}")
+            scale, zero_point = observe_minmax(module.weight, args)
+            module.weight_scale.copy_(scale)
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.copy_(zero_point)
+            module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    return compressor
+
+
+def save_compressed(model: torch.nn.Module, compressor, dst: Path) -> Path:
+    """What llmcompressor's ``save_pretrained(dst, save_compressed=True)`` does with a compressed model:
+    transformers' ``save_pretrained``, then compressed-tensors' ``update_config`` adds the
+    ``quantization_config`` to config.json."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst)
+    compressor.update_config(str(dst))
+    return dst
+
+
 def write_compressed_tensors(src: Path, dst: Path, scheme: str, group_size: int | None = 128,
                              ignore: list[str] = IGNORE) -> Path:
-    """A compressed-tensors copy of ``src`` made by llmcompressor's ``oneshot`` (no calibration data).
+    """A compressed-tensors copy of ``src``, as llmcompressor's ``QuantizationModifier(targets="Linear",
+    scheme=..., ignore=...)`` writes it (no calibration data), made with compressed-tensors alone.
 
     ``scheme``: "fp8-dynamic" (the FP8_DYNAMIC preset), "w4a16" (W4A16: symmetric int4, groups
     along the input) or "w4a16-asym" (W4A16_ASYM: with zero points); ``group_size`` replaces the
     W4A16 presets' 128 and must divide every quantized layer's input width. ``ignore``: the
-    recipe's ignore list (tests pass a shorter one to make a wrongly quantized directory). Saved with
-    ``save_compressed=True``, so the tensors are the compressed format's (``weight`` e4m3 and
-    ``weight_scale`` [N, 1]; ``weight_packed`` int32, ``weight_scale``, ``weight_shape`` and, for
-    the asymmetric preset, ``weight_zero_point``).
+    recipe's ignore list (tests pass a shorter one to make a wrongly quantized directory). Saved
+    compressed, so the tensors are the format's (``weight`` e4m3 and ``weight_scale`` [N, 1];
+    ``weight_packed`` int32, ``weight_scale``, ``weight_shape`` and, for the asymmetric preset,
+    ``weight_zero_point``).
     """
     if scheme not in COMPRESSED_TENSORS_SCHEMES:
         raise ValueError(f"unknown compressed-tensors scheme {scheme!r}; one of {sorted(COMPRESSED_TENSORS_SCHEMES)}")
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-
     src, dst = Path(src), Path(dst)
     model = load_source(src)
-    if scheme == "fp8-dynamic" or group_size is None:  # the released recipes' own form
-        recipe = QuantizationModifier(targets="Linear", scheme=COMPRESSED_TENSORS_SCHEMES[scheme], ignore=list(ignore))
-    else:
-        group = {"group_0": compressed_tensors_scheme(scheme, group_size)}
-        recipe = QuantizationModifier(config_groups=group, ignore=list(ignore))
-    with _tokenizers_parallelism_kept():
-        oneshot(model=model, recipe=recipe)
-    dst.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(dst, save_compressed=True)
+    compressor = quantize_compressed_tensors(model, compressed_tensors_scheme(scheme, group_size), ignore)
+    save_compressed(model, compressor, dst)
     copy_serving_files(src, dst)
     return dst
 
