@@ -230,31 +230,61 @@ def tiny_llama(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("scheme,expected", [("FP8_DYNAMIC", "fp8-channel"), ("FP8_BLOCK", "fp8-block"),
-                                             ("W4A16", "w4a16"), ("W4A16_ASYM", "w4a16")])
-def test_llmcompressor_checkpoint_reads_like_transformers_decompresses_it(tiny_llama, tmp_path, scheme, expected):
-    """A checkpoint as users get it: llmcompressor's oneshot + save_pretrained; the reference is transformers
-    loading the directory with compressed-tensors decompressing (run_compressed=False)."""
-    import json
-
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+def _decompressed_by_transformers(directory, auto_class) -> dict[str, torch.Tensor]:
+    """The reference: transformers loading the directory with compressed-tensors decompressing each layer at load
+    (``dequantize=True``, what ``run_compressed=False`` was before transformers 5.24 renamed it)."""
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    model = LlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
-    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"]))
-    model.save_pretrained(tmp_path, save_compressed=True)
-    fmt = read_format(json.loads((tmp_path / "config.json").read_text()))
-    assert fmt.scheme == expected and fmt.leaves_unquantized("lm_head")
-    reference = AutoModelForCausalLM.from_pretrained(
-        tmp_path, quantization_config=CompressedTensorsConfig(run_compressed=False)).state_dict()
-    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+    return auto_class.from_pretrained(directory, dtype=torch.bfloat16,
+                                      quantization_config=CompressedTensorsConfig(dequantize=True)).state_dict()
+
+
+def _reads_like_the_reference(directory, reference: dict[str, torch.Tensor]) -> tuple:
+    """Every quantized linear of the directory read by ``read_linear`` against the reference's weight, bit for bit."""
+    import json
+
+    from safetensors import safe_open
+
+    fmt = read_format(json.loads((directory / "config.json").read_text()))
+    with safe_open(directory / "model.safetensors", "pt") as f:
         names = set(f.keys())
         prefixes = quantized_prefixes(names, fmt)
-        assert len(prefixes) == 7 and not any(fmt.leaves_unquantized(p) for p in prefixes)
         for prefix in sorted(prefixes):
             w = read_linear(fmt, lambda n: f.get_tensor(n) if n in names else None, prefix, dtype=torch.bfloat16)
             assert torch.equal(w.dequantize(torch.bfloat16), reference[f"{prefix}.weight"]), prefix
         assert read_linear(fmt, lambda n: f.get_tensor(n) if n in names else None, "lm_head") is None
+    return fmt, prefixes
+
+
+@pytest.mark.parametrize("scheme,expected", [("FP8_DYNAMIC", "fp8-channel"), ("FP8_BLOCK", "fp8-block"),
+                                             ("W4A16", "w4a16"), ("W4A16_ASYM", "w4a16")])
+def test_compressed_tensors_checkpoint_reads_like_transformers_decompresses_it(tiny_llama, tmp_path, scheme, expected):
+    """A checkpoint as users get it: the recipe ``QuantizationModifier(targets="Linear", scheme=..., ignore=["lm_head"])``
+    made by fovea.testing.quantized with compressed-tensors' own code (the preset, its compressor and config; the
+    scales as llmcompressor's minmax observer picks them) and saved; the reference is transformers decompressing it.
+    FP8_BLOCK's 128-row blocks leave k/v_proj (64 rows) a partial one."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from fovea.testing import quantized
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    compressor = quantized.quantize_compressed_tensors(model, preset_name_to_scheme(scheme, ["Linear"]), ["lm_head"])
+    quantized.save_compressed(model, compressor, tmp_path)
+    fmt, prefixes = _reads_like_the_reference(tmp_path, _decompressed_by_transformers(tmp_path, AutoModelForCausalLM))
+    assert fmt.scheme == expected and fmt.leaves_unquantized("lm_head")
+    assert len(prefixes) == 7 and not any(fmt.leaves_unquantized(p) for p in prefixes)
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "w4a16", "w4a16-asym"])
+def test_written_vlm_checkpoints_read_like_transformers_decompresses_them(quantized_dir, family, scheme):
+    """The test checkpoints themselves (write_compressed_tensors, groups of 32): every linear of the language model
+    is read as transformers decompresses it, and nothing of the vision tower, the projector or lm_head is."""
+    from transformers import AutoModelForImageTextToText
+
+    directory = quantized_dir(family, scheme)
+    fmt, prefixes = _reads_like_the_reference(directory,
+                                              _decompressed_by_transformers(directory, AutoModelForImageTextToText))
+    assert fmt.scheme == ("fp8-channel" if scheme == "fp8-dynamic" else "w4a16")
+    assert prefixes and all(p.startswith("model.language_model.layers.") for p in prefixes)
