@@ -66,6 +66,14 @@ LOGITS_TOLERANCE = {"fp8-dynamic": 4 * E4M3_REL, "fp8-block": 4 * E4M3_REL, "w4a
 # weights: the same weights and modules in the same order, so the same logits (measured: equal).
 SAME_WEIGHTS_TOLERANCE = 1e-6
 
+# transformers 5.24 with compressed-tensors 0.19 cannot load an asymmetric pack-quantized directory left
+# compressed (``dequantize=False``, the default): it builds the empty model on the meta device and compresses it
+# with compressed-tensors' compressor to receive the packed tensors, and that compressor's meta-device branch
+# leaves ``weight_zero_point`` unpacked, [N, K / g], where the files hold it packed, [N / 8, K / g], as the same
+# compressor writes it from real weights; the load refuses the mismatched sizes. Dequantised at load the model
+# stays dense and reads (test_transformers_loads_the_weights_this_file_reads). Pinned, so a fixed release shows.
+COMPRESSED_LOAD_FAILS = {"w4a16-asym"}
+
 # The released configs' fields (RedHatAI/Qwen2.5-VL-7B-Instruct-FP8-Dynamic, the W4A16 releases
 # of llmcompressor's examples), with the tiny models' group size.
 FP8_DYNAMIC_GROUP = {
@@ -361,7 +369,12 @@ def test_transformers_loads_the_weights_this_file_reads(source_dir, quantized_di
 
 @pytest.mark.parametrize(("family", "scheme"), PAIRS)
 def test_logits_are_the_unquantized_models_within_the_formats_error(source_dir, quantized_dir, family, scheme):
-    model = load(quantized_dir(family, scheme))
+    if scheme in COMPRESSED_LOAD_FAILS:
+        with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+            load(quantized_dir(family, scheme))
+        model = load(quantized_dir(family, scheme), dequantize=True)
+    else:
+        model = load(quantized_dir(family, scheme))
     reference = source_model(family, source_dir(family))
     inputs = inputs_with_an_image(reference)
     expected, got = logits(reference, inputs), logits(model, inputs)
