@@ -11,6 +11,7 @@ from fovea.quant.weights import (
     Fp8Weight,
     Int4Weight,
     dequantized_linear,
+    fake_quantized_activations,
     pack_int4_rows,
     unpack_int4_rows,
 )
@@ -148,11 +149,20 @@ def test_dequantized_linear(dtype):
     for w, ref in ((w4, _loops_int4(q, w4)), (w8, _loops_fp8(w8))):
         out = dequantized_linear(x, w, bias)
         assert out.dtype == dtype and out.shape == (3, 5, 24)
-        assert torch.equal(out, F.linear(x, w.dequantize(dtype), bias))
-        exact = x.double() @ ref.t() + bias.double()
+        xin = x
+        if isinstance(w, Fp8Weight):  # W8A8: the activations are quantised to e4m3 per token first
+            xin = fake_quantized_activations(x, 64)
+            scale = x.float().abs().amax(-1, keepdim=True) / 448
+            assert not torch.equal(xin, x)  # really quantised
+            # e4m3 keeps 3 mantissa bits: a relative error of at most 2^-4, or 2^-9 of the scale when subnormal;
+            # then rounded back to ``dtype``.
+            err_bound = 2**-4 * x.float().abs() + 2**-9 * scale + torch.finfo(dtype).eps * x.float().abs()
+            assert bool(((xin.float() - x.float()).abs() <= err_bound).all())
+        assert torch.equal(out, F.linear(xin, w.dequantize(dtype), bias))
+        exact = xin.double() @ ref.t() + bias.double()
         # Rounding of the weights, inputs' products and the sum to ``dtype``: a few eps of the magnitudes summed.
         eps = torch.finfo(dtype).eps
-        bound = 4 * eps * ((x.double().abs() @ ref.abs().t()) + bias.double().abs()) + 1e-30
+        bound = 4 * eps * ((xin.double().abs() @ ref.abs().t()) + bias.double().abs()) + 1e-30
         assert bool(((out.double() - exact).abs() <= bound).all())
 
 

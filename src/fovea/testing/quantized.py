@@ -58,7 +58,7 @@ import torch
 IGNORE = ["re:.*lm_head", "re:visual.*", "re:model.visual.*", "re:vision_tower.*", "re:model.vision_tower.*",
           "re:multi_modal_projector.*", "re:model.multi_modal_projector.*"]
 COMPRESSED_TENSORS_SCHEMES = {"fp8-dynamic": "FP8_DYNAMIC", "w4a16": "W4A16", "w4a16-asym": "W4A16_ASYM"}
-SCHEMES = (*COMPRESSED_TENSORS_SCHEMES, "fp8-block")
+SCHEMES = (*COMPRESSED_TENSORS_SCHEMES, "fp8-block", "awq")
 # The tiny test models (``write_model_dir(arch="tiny")``) are 32-256 wide: W4A16 in groups of 32
 # input columns and FP8 in 32 x 32 blocks, so each row has several (the releases' 128 would leave one).
 TINY_GROUP_SIZE = 32
@@ -268,12 +268,47 @@ def write_fine_grained_fp8(src: Path, dst: Path, block: tuple[int, int] = (128, 
     return dst
 
 
+def write_awq(src: Path, dst: Path, group_size: int = 128) -> Path:
+    """An AWQ GEMM copy of ``src`` as AutoAWQ writes one (``Qwen/Qwen2.5-VL-7B-Instruct-AWQ``'s
+    format): each language-model linear's ``qweight``, ``qzeros`` (int32, AWQ's column order) and
+    fp16 ``scales``, round-to-nearest with zero points (AutoAWQ's quantizer without its activation-
+    aware search, which picks the scales, not the format). The packing is ``fovea.quant.awq``'s,
+    pinned bit for bit to AutoAWQ 0.2.9's own packer in ``tests/quant/test_awq.py``. The
+    ``quantization_config`` is AutoAWQ's ``to_transformers_dict`` with the vision part named in
+    ``modules_to_not_convert``."""
+    from fovea.quant.awq import pack_awq, quantize_awq
+
+    src, dst = Path(src), Path(dst)
+    model = load_source(src)
+    names = linear_names(model)
+    state = {key: tensor.detach() for key, tensor in model.state_dict().items()}
+    for name in names:
+        if unquantized(name):
+            continue
+        weight = state.pop(f"{name}.weight")
+        if weight.shape[1] % group_size or weight.shape[0] % 8:
+            raise ValueError(f"{name}: weight {tuple(weight.shape)} does not fit AWQ groups of {group_size} "
+                             "(input width) and 8-column packs (output width)")
+        state.update({f"{name}.{key}": value for key, value in pack_awq(quantize_awq(weight.float(), group_size)).items()})
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dst, state_dict=state)
+    written = json.loads((dst / "config.json").read_text())
+    written["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm",
+                                      "zero_point": True,
+                                      "modules_to_not_convert": sorted({"visual", "vision_tower", "multi_modal_projector"})}
+    (dst / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    copy_serving_files(src, dst)
+    return dst
+
+
 def write_quantized(src: Path, dst: Path, scheme: str, group_size: int | None = 128,
                     block: tuple[int, int] = (128, 128)) -> Path:
-    """One of ``SCHEMES``: "fp8-block" through ``write_fine_grained_fp8``, the others through
-    ``write_compressed_tensors``."""
+    """One of ``SCHEMES``: "fp8-block" through ``write_fine_grained_fp8``, "awq" through
+    ``write_awq``, the others through ``write_compressed_tensors``."""
     if scheme == "fp8-block":
         return write_fine_grained_fp8(src, dst, block)
+    if scheme == "awq":
+        return write_awq(src, dst, group_size or 128)
     return write_compressed_tensors(src, dst, scheme, group_size)
 
 
