@@ -102,7 +102,7 @@ def measure(model_dir: Path, args, bandwidth: float) -> dict:
     lm = loaded.adapter.lm_spec(loaded.model).language_model
     # What one decode step reads: the decoder's weights (quantized or not), the final norm and lm_head.
     step_bytes = tensor_bytes(lm.layers) + loaded.model.get_output_embeddings().weight.numel() * 2
-    engine = PagedEngine(loaded, PagedEngineConfig())
+    engine = PagedEngine(loaded, PagedEngineConfig(max_model_len=args.max_model_len))
     engine_s = time.perf_counter() - started - load_s
     words = " ".join(["hello"] * 60)
     prompt = encode_prompt(loaded, render_chat(loaded, [{"role": "user", "content": [{"type": "text", "text": words}]}]), [])
@@ -155,6 +155,7 @@ def main() -> int:
     parser.add_argument("--singles", type=int, default=3)
     parser.add_argument("--burst", type=int, default=256)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's (128000)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

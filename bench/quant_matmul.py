@@ -151,7 +151,8 @@ def torch_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
     xf = x.float()
     for start in range(0, x.shape[1], group):
         part = xf[:, start:start + group]
-        s = (part.abs().amax(1, keepdim=True) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+        s = (part.abs().amax(1, keepdim=True) / torch.full((), 448.0, device=x.device)).clamp(  # true division
+            min=1.0 / (448.0 * 512.0))
         ss.append(s)
         qs.append((part / s).clamp(-448, 448).to(torch.float8_e4m3fn))
     return torch.cat(qs, 1), torch.cat(ss, 1)

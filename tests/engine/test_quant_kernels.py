@@ -29,7 +29,9 @@ def torch_quant(x, group):
     scales, qs = [], []
     for start in range(0, k, group):
         part = xf[:, start:start + group]
-        s = (part.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+        # a tensor divisor: true division on CUDA too (a Python number there is multiplied by its reciprocal)
+        s = (part.abs().amax(dim=1, keepdim=True) / torch.full((), 448.0, device=x.device)).clamp(
+            min=1.0 / (448.0 * 512.0))
         scales.append(s)
         qs.append((part / s).clamp(-448.0, 448.0).to(FP8))
     return torch.cat(qs, 1), torch.cat(scales, 1)

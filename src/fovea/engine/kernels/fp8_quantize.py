@@ -108,7 +108,9 @@ def quantize_groups_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     groups = -(-k // group)
     xf = x.float()
     padded = torch.nn.functional.pad(xf, (0, groups * group - k)).view(rows, groups, group)
-    scale = (padded.abs().amax(dim=2) / FP8_MAX).clamp(min=MIN_SCALE)
+    # A tensor divisor: torch's CUDA division by a Python number multiplies by its reciprocal, one
+    # ulp off the true quotient that the kernel (div_rn) and the CPU compute.
+    scale = (padded.abs().amax(dim=2) / torch.full((), FP8_MAX, device=x.device)).clamp(min=MIN_SCALE)
     expanded = scale.repeat_interleave(group, dim=1)[:, :k]
     q = (xf / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
