@@ -19,6 +19,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="local Hugging Face-format model directory (default: the shipped demo model)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when a GPU is visible, else CPU), cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="auto: the directory's weights (bf16, or the quantized format its config.json names: "
+                             "compressed-tensors FP8/W4A16, fine-grained FP8, AWQ); dummy: random weights of its "
+                             "shapes and format made on the device, for benchmarks and capacity planning")
 
 
 def _non_negative_int(text: str) -> int:
@@ -249,6 +253,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         settings = ServerSettings(
             model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+            load_format=args.load_format,
             served_model_name=args.served_model_name, topology=args.topology, engine_core=args.engine_core,
             api_server_count=args.api_server_count,
             encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, ray_address=args.ray_address,
@@ -349,7 +354,7 @@ def chat(args: argparse.Namespace) -> int:
     from fovea.media import decode_image_bytes
     from fovea.media.config import MediaConfig
 
-    loaded = load_model(args.model, args.device, args.dtype)
+    loaded = load_model(args.model, args.device, args.dtype, load_format=args.load_format)
     media = MediaConfig()
     images = []
     for path in args.image:

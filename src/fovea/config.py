@@ -21,6 +21,9 @@ class ServerSettings:
     port: int = 8000
     device: str = "auto"
     dtype: str = "auto"
+    # "auto": the directory's weights (bf16/fp16/fp32, or a quantized format its config names);
+    # "dummy": random weights of its shapes and format, made on the device (benchmarks only).
+    load_format: str = "auto"
     served_model_name: str | None = None
     # "agg": the vision stage in this process; "e_pd": in encode_workers processes of their
     # own (fovea.disagg: vision weights only, verified hand-off), this one prefills and decodes.
@@ -85,6 +88,11 @@ class ServerSettings:
                              "--engine-core process")
         if not 0 < self.port < 65536:
             raise ValueError(f"port {self.port} is not between 1 and 65535")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"--load-format must be auto or dummy, not {self.load_format!r}")
+        if self.load_format == "dummy" and self.topology != "agg":
+            raise ValueError("--load-format dummy makes random weights in the engine's process; encode workers "
+                             "read theirs from the directory's files: use --topology agg with it")
         if self.topology not in ("agg", "e_pd"):
             raise ValueError(f"--topology must be agg or e_pd, not {self.topology!r}")
         if self.topology == "agg" and (self.encode_workers is not None or self.encode_timeout_s is not None):

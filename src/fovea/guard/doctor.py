@@ -133,6 +133,10 @@ def contract_checks(path: Path, device: str, dtype: str, engine_config=None,
                         f"{contract.lm_hidden}; {loaded.adapter.family.name}: probe images of {contract.probe_image_tokens} "
                         f"image tokens; prompt ids equal transformers'; recipe "
                         f"{contract.recipe_fingerprint}; all on {contract.device}/{contract.dtype}"))
+    checks.append(Check("model.quantization", Status.PASS,
+                        f"{contract.quantization}: {contract.quantized_layers} decoder linear layers quantized; "
+                        f"vision tower and projector in {contract.vision_dtype}" if contract.quantization is not None
+                        else f"unquantized weights in {contract.dtype}"))
     for note in contract.notes:
         checks.append(Check("contract.note", Status.WARN, note, ""))
     if engine_config is not None:

@@ -107,6 +107,9 @@ class ModelContract:
     processor_override: dict[str, Any] = field(default_factory=dict)
     override_forced: bool = False
     notes: list[str] = field(default_factory=list)
+    quantization: str | None = None  # the checkpoint's format (its label); None: unquantized
+    quantized_layers: int = 0
+    load_format: str = "auto"  # "dummy": random weights (the canary means nothing)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -256,6 +259,9 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
                                         f"{type(exc).__name__}: {exc}", "see the error; check the model files"))
 
     violations.extend(_placement_violations(loaded, vision_dtype))
+    quantized = quantization_violations(loaded, violations)
+    if loaded.load_format == "dummy":
+        notes.append("--load-format dummy: the weights are random; answers and the canary mean nothing")
     if violations:
         raise ContractError(loaded.name, violations)
     return ModelContract(
@@ -266,7 +272,37 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
         probe_image_tokens=probe_tokens, recipe=in_use, recipe_fingerprint=fingerprint(in_use),
         model_fingerprint=model_fingerprint(loaded), processor_override={k: in_use[k] for k in changed},
         override_forced=forced, notes=notes,
+        quantization=loaded.quantization.label if loaded.quantization is not None else None,
+        quantized_layers=quantized, load_format=loaded.load_format,
     )
+
+
+def quantization_violations(loaded: LoadedModel, violations: list[Violation]) -> int:
+    """Quantized layers only where fovea runs them (the language model's decoder): the vision
+    tower and projector stay in the served dtype, as every supported format leaves them. Returns
+    how many layers are quantized."""
+    from fovea.loading.quantized import quantized_linears
+
+    layers = quantized_linears(loaded.model)
+    if loaded.quantization is None:
+        if layers:
+            violations.append(Violation("quantization", "no quantized layers (config.json has no quantization_config)",
+                                        f"{len(layers)}, e.g. {next(iter(layers))}", "report this: a loader bug"))
+        return 0
+    decoder = loaded.adapter.lm_spec(loaded.model).language_model.layers
+    inside = {id(m) for m in decoder.modules()}
+    outside = sorted(name for name, m in layers.items() if id(m) not in inside)
+    if outside:
+        violations.append(Violation(
+            "quantized layers", "the language model's decoder layers only (vision tower, projector and lm_head "
+            f"in {str(loaded.dtype).removeprefix('torch.')})",
+            f"{len(outside)} outside it, e.g. {', '.join(outside[:3])}",
+            "use a checkpoint that leaves the vision tower and projector unquantized (its recipe's ignore list)"))
+    if not layers:
+        violations.append(Violation("quantized layers", f"the decoder's linear layers in {loaded.quantization.label}",
+                                    "none found in the checkpoint's tensors",
+                                    "the config says quantized but the weights are not: fix config.json"))
+    return len(layers)
 
 
 def deepstack_levels(loaded: LoadedModel) -> int:

@@ -19,6 +19,7 @@ import torch
 from fovea.errors import ModelLoadError
 from fovea.models import ModelAdapter, PromptCodec, adapter_for, supported_model_types
 from fovea.progress import progress
+from fovea.quant.formats import QuantFormat, read_format
 
 log = logging.getLogger("fovea.model")
 
@@ -41,6 +42,8 @@ class LoadedModel:
     load_seconds: float
     adapter: ModelAdapter
     codec: PromptCodec  # builds this model's prompts (picklable: worker processes get a copy)
+    quantization: QuantFormat | None = None  # the checkpoint's format (None: unquantized weights)
+    load_format: str = "auto"  # "dummy": random weights of the config's shapes and format
 
     @property
     def tokenizer(self) -> Any:
@@ -101,8 +104,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def inspect_model_dir(path: Path) -> dict:
-    """Check the directory holds a servable model; return its config.json."""
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def inspect_model_dir(path: Path, load_format: str = "auto") -> dict:
+    """Check the directory holds a servable model; return its config.json. ``load_format``
+    "dummy" needs no weight files (random weights are made on the device)."""
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist (pass --model DIR, a local "
                              "Hugging Face-format model directory).")
@@ -119,8 +126,9 @@ def inspect_model_dir(path: Path) -> dict:
             f"{path}: model_type {model_type!r} is not supported; fovea serves "
             f"{', '.join(supported_model_types())} models (see docs/models.md to add a family)."
         )
+    read_format(config)  # a quantization format fovea does not run is refused here, in one line
     missing = []
-    if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
+    if load_format != "dummy" and not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
         missing.append("weights (model.safetensors or model.safetensors.index.json)")
     if not ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()):
         missing.append("tokenizer (tokenizer.json or tokenizer.model)")
@@ -169,14 +177,19 @@ def refuse_partial_load(path: Path, info: dict) -> None:
 
 
 def load_model(path: str | Path | None = None, device: str = "auto", dtype: str = "auto",
-               weights: bool = True) -> LoadedModel:
+               weights: bool = True, load_format: str = "auto") -> LoadedModel:
     """``weights=False``: the model's structure on the meta device, no weight read (the API process
     of a server whose engine core holds the weights: its config, generation config, processor and
-    codec are what it needs)."""
+    codec are what it needs). ``load_format="dummy"``: random weights of the config's shapes and
+    quantization format, made on the device (benchmarks and capacity planning of shapes whose
+    files are not at hand); nothing it answers means anything."""
     started = time.perf_counter()
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"--load-format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}.")
     path = Path(path) if path else default_model_dir()
     path = path.expanduser().resolve()
-    config = inspect_model_dir(path)
+    config = inspect_model_dir(path, load_format)
+    quantization = read_format(config)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     adapter = adapter_for(config["model_type"])
@@ -188,11 +201,21 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
         processor = adapter.load_processor(path)
         stages.update()
         stages.set_postfix_str("weights")
-        if weights:
+        info = None
+        if not weights:
+            model = structure_only(model_class, path, torch_dtype)
+        elif load_format == "dummy":
+            from fovea.loading.dummy import dummy_model
+
+            model = dummy_model(model_class, path, quantization, torch_device, torch_dtype)
+        elif quantization is not None:
+            from fovea.loading.quantized import load_quantized
+
+            model = load_quantized(model_class, path, hf_config(path), quantization, torch_device, torch_dtype)
+            model.generation_config = generation_config(path, model.config)
+        else:
             model, info = model_class.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
                                                       output_loading_info=True)
-        else:
-            model, info = structure_only(model_class, path, torch_dtype), None
         stages.update()
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         stages.close()
@@ -203,7 +226,8 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
     # One device for everything and one dtype for every weight: the vision tower can never be
     # left behind on another device or in another precision. Rotary-frequency buffers stay in
     # float32 (transformers computes positions with them in float32; in bfloat16 the angle at
-    # position 640 is off by about a radian).
+    # position 640 is off by about a radian). A quantized layer's weight is not a parameter: its
+    # FP8 or int4 tensors keep their format.
     model.to(device=torch_device if weights else "meta").eval()
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.is_floating_point() and tensor.dtype != torch_dtype and not is_position_buffer(name):
@@ -232,29 +256,45 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
         load_seconds=time.perf_counter() - started,
         adapter=adapter,
         codec=adapter.codec(processor, image_token_id, torch_dtype),
+        quantization=quantization,
+        load_format=load_format,
     )
     if not weights:
         return loaded
     log.info(
-        "loaded %s (%s, %.1f M parameters) on device=%s dtype=%s in %.1f s",
+        "loaded %s (%s, %.1f M parameters%s) on device=%s dtype=%s in %.1f s%s",
         loaded.name, config["model_type"], sum(p.numel() for p in model.parameters()) / 1e6,
+        "" if quantization is None else f" beside the quantized layers: {quantization.label}",
         torch_device, str(torch_dtype).removeprefix("torch."), loaded.load_seconds,
+        "; --load-format dummy: RANDOM weights, answers mean nothing" if load_format == "dummy" else "",
     )
     return loaded
+
+
+def hf_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def generation_config(path: Path, config):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:  # no generation_config.json: what from_pretrained would derive
+        return GenerationConfig.from_model_config(config)
 
 
 def structure_only(model_class: type, path: Path, dtype: torch.dtype) -> torch.nn.Module:
     """The model built on the meta device from its config, with its generation config: every
     module and shape, no memory, nothing read but the JSON files."""
-    from transformers import AutoConfig, GenerationConfig
-
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = hf_config(path)
+    if hasattr(config, "quantization_config"):  # fovea's loader reads the format, not transformers
+        del config.quantization_config
     with torch.device("meta"):
         model = model_class._from_config(config, dtype=dtype)
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    except OSError:  # no generation_config.json: what from_pretrained would derive
-        model.generation_config = GenerationConfig.from_model_config(config)
+    model.generation_config = generation_config(path, config)
     return model
 
 

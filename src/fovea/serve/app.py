@@ -46,7 +46,7 @@ def check_fits_before_load(settings: ServerSettings) -> None:
     """On a GPU, refuse a model whose weights cannot fit the memory this process may use,
     from the safetensors headers, before loading a byte of it."""
     device = resolve_device(settings.device)
-    if device.type != "cuda":
+    if device.type != "cuda" or settings.load_format == "dummy":  # dummy: no files; the memory plan checks
         return
     import torch
 
@@ -94,7 +94,8 @@ def create_app_with_core(settings: ServerSettings) -> FastAPI:
     structure: dict = {}
 
     def read_structure() -> None:
-        structure["loaded"] = load_model(settings.model, settings.device, settings.dtype, weights=False)
+        structure["loaded"] = load_model(settings.model, settings.device, settings.dtype, weights=False,
+                                         load_format=settings.load_format)
 
     process, address, info = start_core(settings, level, fmt, while_waiting=read_structure)
     STARTUP.merge(info.startup_seconds, info.startup_depth)
@@ -107,7 +108,8 @@ def create_app_attached(settings: ServerSettings, address: str, info) -> FastAPI
     another API process started (``address``, ``info``); it neither starts nor stops that core."""
     from fovea.engine.process.client import EngineClient
 
-    loaded = load_model(settings.model, settings.device, settings.dtype, weights=False)
+    loaded = load_model(settings.model, settings.device, settings.dtype, weights=False,
+                        load_format=settings.load_format)
     return attach(settings, loaded, EngineClient(None, address, info, loaded.context_length))
 
 
@@ -180,7 +182,7 @@ def load_and_check(settings: ServerSettings, loaded: LoadedModel | None) -> tupl
         device = resolve_device(settings.device)
         kernel_selfcheck.start_early(device, resolve_dtype(settings.dtype, device))  # compiles while loading
         with STARTUP.phase("load weights"):
-            loaded = load_model(settings.model, settings.device, settings.dtype)
+            loaded = load_model(settings.model, settings.device, settings.dtype, load_format=settings.load_format)
     with STARTUP.phase("contract"):
         contract = check_contract(loaded, override=settings.processor_override,
                                   force_override=settings.force_processor_override)

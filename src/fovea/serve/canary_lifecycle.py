@@ -30,7 +30,10 @@ def canary_runner(state: ServerState) -> Callable[[], Awaitable[None]]:
         result = await state.canary.run()
         state.metrics.canary_ok.set(1 if result.ok else 0)
         state.metrics.canary_kl.set(result.min_ablation_kl)
-        if result.ok:
+        if not state.canary_meaningful:
+            log.warning("grounding canary ran (%s, min ablation KL %.3f nats) but means nothing: --load-format dummy",
+                        "passed" if result.ok else "failed", result.min_ablation_kl)
+        elif result.ok:
             log.info("grounding canary passed (min ablation KL %.3f nats > %.3f) in %.2f s",
                      result.min_ablation_kl, result.threshold, result.seconds)
         else:
@@ -70,7 +73,7 @@ def lifespan(state: ServerState, run_canary: Callable[[], Awaitable[None]], on_s
                 except FoveaError as exc:  # e.g. encode workers that cannot answer within --encode-timeout
                     raise refuse_at_startup(app.state, StartupRefused(
                         f"the grounding canary could not run at start-up: {exc.message}")) from None
-                if settings.strict and not state.canary.last.ok:
+                if settings.strict and not state.canary.last.ok and state.canary_meaningful:
                     raise refuse_at_startup(app.state, CanaryFailed(
                         "--strict: the grounding canary failed at start-up: " + "; ".join(state.canary.last.reasons)))
                 if settings.canary_interval_s > 0:

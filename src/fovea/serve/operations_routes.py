@@ -36,6 +36,8 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
             "device": str(loaded.device),
             "dtype": contract.dtype,
             "vision_dtype": contract.vision_dtype,
+            "quantization": contract.quantization,
+            "load_format": contract.load_format,
             "model_family": loaded.adapter.family.name,
             "topology": settings.topology,
             "encode_workers": workers,
@@ -49,7 +51,8 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
             "canary": None if last is None else {
                 "ok": last.ok, "min_ablation_kl": last.min_ablation_kl, "threshold": last.threshold,
                 "checked_at": last.checked_at, "answers": {c.colour: c.answer for c in last.cases},
-                "probe_size": last.probe_size, "answer_tokens": last.answer_tokens},
+                "probe_size": last.probe_size, "answer_tokens": last.answer_tokens,
+                "meaningful": state.canary_meaningful},
         }
         code = 503 if (settings.strict and status != "ok") else 200
         return JSONResponse(body, status_code=code)
@@ -80,6 +83,7 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
             "owned_by": "fovea",
             "root": state.model_name,  # not the server's filesystem path
             "max_model_len": getattr(engine, "max_context", loaded.context_length),
+            "quantization": contract.quantization,  # the checkpoint's format; null: unquantized
         }
 
     @router.get("/v1/models")

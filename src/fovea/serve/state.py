@@ -36,15 +36,24 @@ class ServerState:
         """("ok" | "degraded", reasons)."""
         reasons: list[str] = []
         last = self.canary.last
-        if self.settings.canary and last is not None and not last.ok:
+        if self.settings.canary and last is not None and not last.ok and self.canary_meaningful:
             reasons.extend(last.reasons)
         return ("degraded" if reasons else "ok"), reasons
 
+    @property
+    def canary_meaningful(self) -> bool:
+        """False with --load-format dummy: random weights cannot look at an image, so the canary's
+        verdict says nothing (it still runs: it exercises the whole serving path)."""
+        return self.contract.load_format != "dummy"
+
     def warnings(self) -> list[str]:
+        warnings = []
         if self.contract.override_forced:
-            return ["preprocessing override forced: normalisation differs from the model's own "
-                    f"({self.contract.processor_override})"]
-        return []
+            warnings.append("preprocessing override forced: normalisation differs from the model's own "
+                            f"({self.contract.processor_override})")
+        if self.contract.load_format == "dummy":
+            warnings.append("--load-format dummy: the weights are random; answers and the canary's verdict mean nothing")
+        return warnings
 
     @classmethod
     def build(cls, settings: ServerSettings, loaded: LoadedModel, engine: PagedEngine, contract: ModelContract,

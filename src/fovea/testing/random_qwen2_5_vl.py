@@ -81,6 +81,9 @@ class Architecture:
 ARCHITECTURES = {
     # Qwen/Qwen2.5-VL-7B-Instruct.
     "qwen2.5-vl-7b": Architecture(1280, 3420, 32, 16, (7, 15, 23, 31), 3584, 18944, 28, 28, 4, FIRST_SPECIAL),
+    # Qwen/Qwen2.5-VL-72B-Instruct: 145 GB in bf16, so benchmarks write its config alone
+    # (``weights=False``) and serve it with --load-format dummy.
+    "qwen2.5-vl-72b": Architecture(1280, 3456, 32, 16, (7, 15, 23, 31), 8192, 29568, 80, 64, 8, FIRST_SPECIAL),
     # Narrow and shallow, with one full-attention block between window blocks, and a small
     # max_pixels so the tests' larger images are resized down.
     "tiny": Architecture(32, 64, 3, 2, (1,), 64, 128, 2, 4, 2, 1000, max_positions=4096, max_pixels=200_704,
@@ -161,8 +164,9 @@ def build_image_processor(arch: Architecture) -> Qwen2VLImageProcessor:
 
 
 def write_model_dir(out: Path, arch: str = "qwen2.5-vl-7b", device: str = "cpu", seed: int = 0,
-                    max_pixels: int | None = None) -> Path:
-    """``max_pixels``: the image processor's bound instead of the architecture's."""
+                    max_pixels: int | None = None, weights: bool = True) -> Path:
+    """``max_pixels``: the image processor's bound instead of the architecture's. ``weights=False``:
+    every file but the weights (a directory to serve with --load-format dummy)."""
     architecture = ARCHITECTURES[arch]
     if max_pixels is not None:
         architecture = dataclasses.replace(architecture, max_pixels=max_pixels)
@@ -179,7 +183,8 @@ def write_model_dir(out: Path, arch: str = "qwen2.5-vl-7b", device: str = "cpu",
     tokenizer.save_pretrained(out)
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     build_image_processor(architecture).save_pretrained(out)
-    write_weights(config, out, torch.device(device), seed, model_class=Qwen2_5_VLForConditionalGeneration)
+    if weights:
+        write_weights(config, out, torch.device(device), seed, model_class=Qwen2_5_VLForConditionalGeneration)
     return out
 
 

@@ -75,9 +75,12 @@ def measure(meter: CudaMeter, fn: Callable[[], T]) -> tuple[T, int, int]:
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, each storage counted once (fused weights are views)."""
+    """Bytes of a module's parameters and buffers, each storage counted once (fused weights are views),
+    and of its quantized layers' weights (``QuantLinear.quant``: tensors that are not parameters)."""
     storages: dict[int, int] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
+    quantized = [t for m in module.modules() if getattr(m, "quant", None) is not None
+                 for t in vars(m.quant).values() if isinstance(t, torch.Tensor)]
+    for tensor in [*module.parameters(), *module.buffers(), *quantized]:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from fovea.engine.kernels import triton_ops
 from fovea.engine.model.attention import AttentionBackend, AttnMeta, attention, write_kv
 from fovea.engine.model.kv_cache import KVCache, KVShape
+from fovea.engine.model.quant_linear import fuse_weights, fused_linear, mixed_linear, torch_linear, weight_of
 from fovea.engine.model.weights import fuse_rows
 from fovea.errors import ModelLoadError
 from fovea.models.base import LanguageModelSpec
@@ -162,6 +163,7 @@ class PagedLlama:
         self.final_norm = lm.norm.weight
         self.lm_head = self.embed if spec.lm_head is None else spec.lm_head.weight
         self.fused = fused
+        self.quant_kernels = True  # False: quantized layers dequantised per call (their start-up check failed)
         self.layers = [self._layer(layer, fused) for layer in lm.layers]
         self.dtype, self.device = self.embed.dtype, self.embed.device
         inv = inverse_frequencies(text, self.head_dim)
@@ -199,17 +201,21 @@ class PagedLlama:
         extra = {}
         if fused:
             qkv_modules, gate_up_modules = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-            extra = {"qkv": fuse_rows(qkv_modules, "weight"), "qkv_bias": fuse_rows(qkv_modules, "bias"),
-                     "gate_up": fuse_rows(gate_up_modules, "weight"),
+            extra = {"qkv": fuse_weights(qkv_modules), "qkv_bias": fuse_rows(qkv_modules, "bias"),
+                     "gate_up": fuse_weights(gate_up_modules),
                      "gate_up_bias": fuse_rows(gate_up_modules, "bias")}
+            if extra["qkv"] is None or extra["gate_up"] is None:  # quantized weights that cannot be stacked
+                raise ModelLoadError("the fused forward stacks q/k/v and gate/up into one product each, and this "
+                                     "checkpoint's quantized weights cannot be (mixed formats, or block-FP8 rows "
+                                     "that do not fall on the scale blocks); report the checkpoint, with its config.json")
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         extra["q_norm"] = q_norm.weight if q_norm is not None else None
         extra["k_norm"] = k_norm.weight if k_norm is not None else None
         return LayerWeights(
-            layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-            attn.o_proj.weight, attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias,
-            layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-            mlp.down_proj.weight, mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias, **extra)
+            layer.input_layernorm.weight, weight_of(attn.q_proj), weight_of(attn.k_proj), weight_of(attn.v_proj),
+            weight_of(attn.o_proj), attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias,
+            layer.post_attention_layernorm.weight, weight_of(mlp.gate_proj), weight_of(mlp.up_proj),
+            weight_of(mlp.down_proj), mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias, **extra)
 
     def kv_shape(self, block_size: int) -> KVShape:
         return KVShape(len(self.layers), self.num_kv_heads, self.head_dim, block_size, self.dtype)
@@ -252,19 +258,19 @@ class PagedLlama:
         sin = sin_table[index].unsqueeze(1)
         for index, w in enumerate(self.layers):
             x = rms_norm(hidden, w.in_norm, self.eps)
-            q = F.linear(x, w.q, w.q_bias).view(tokens, self.num_heads, self.head_dim)
-            k = F.linear(x, w.k, w.k_bias).view(tokens, self.num_kv_heads, self.head_dim)
-            v = F.linear(x, w.v, w.v_bias).view(tokens, self.num_kv_heads, self.head_dim)
+            q = torch_linear(x, w.q, w.q_bias).view(tokens, self.num_heads, self.head_dim)
+            k = torch_linear(x, w.k, w.k_bias).view(tokens, self.num_kv_heads, self.head_dim)
+            v = torch_linear(x, w.v, w.v_bias).view(tokens, self.num_kv_heads, self.head_dim)
             q, k = self.head_norms(q, k, w)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = cache.k[index], cache.v[index]
             write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
             out = attention(q, k, v, k_cache, v_cache, meta, self.scale, self.backend)
-            hidden = hidden + F.linear(out.reshape(tokens, -1), w.o, w.o_bias)
+            hidden = hidden + torch_linear(out.reshape(tokens, -1), w.o, w.o_bias)
             x = rms_norm(hidden, w.post_norm, self.eps)
-            gated = F.silu(F.linear(x, w.gate, w.gate_bias)) * F.linear(x, w.up, w.up_bias)
-            hidden = hidden + F.linear(gated, w.down, w.down_bias)
+            gated = F.silu(torch_linear(x, w.gate, w.gate_bias)) * torch_linear(x, w.up, w.up_bias)
+            hidden = hidden + torch_linear(gated, w.down, w.down_bias)
             self.add_deepstack(hidden, deepstack, index)
         scored = rms_norm(hidden[score_rows], self.final_norm, self.eps) if score_rows is not None else None
         if logit_rows is not None:
@@ -285,7 +291,7 @@ class PagedLlama:
         tokens = hidden.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
-        linear = triton_ops.linear
+        linear = fused_linear if self.quant_kernels else mixed_linear
         cos_table, sin_table, positions = self.rope_tables(positions)
         x = triton_ops.add_rms_norm(hidden, self.layers[0].in_norm, self.eps)
         for index, w in enumerate(self.layers):

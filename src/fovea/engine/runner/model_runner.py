@@ -25,6 +25,7 @@ from fovea.engine.model.attention import (
 )
 from fovea.engine.model.kv_cache import KVCache, KVPlan
 from fovea.engine.model.llama import PagedLlama
+from fovea.engine.model.quant_linear import quantized_kernels_problem
 from fovea.engine.runner.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
 from fovea.engine.runner.kernel_selfcheck import self_check
 from fovea.engine.runner.staging import resolve_pending
@@ -84,6 +85,13 @@ class ModelRunner:
                                 fused=fused)
         log.info("paged engine: %s decode attention, %s forward", "Triton" if use_triton else "torch",
                  "fused (Triton kernels)" if fused else "torch-op")
+        if fused and loaded.quantization is not None:
+            with STARTUP.phase("kernel self-check"):
+                problem = quantized_kernels_problem(self.llama.layers, loaded.dtype, self.device)
+            if problem:
+                log.warning("%s kernels disabled, its layers dequantised per call (slow): %s",
+                            loaded.quantization.label, problem)
+                self.llama.quant_kernels = False
         # Dynamic-resolution towers are batched by tokens too: their activation peak grows with
         # the patches of a call, not its image count.
         self.fixed_image_shape = loaded.adapter.fixed_image_shape(loaded.model.config)

@@ -1,0 +1,522 @@
+"""Matrix products with quantised weights: FP8 (per-channel or 128x128-block scales, dynamic
+per-token FP8 activations) and 4-bit integers with group scales (W4A16).
+
+Weight layouts (raw tensors, as the checkpoint readers hand them over):
+
+- FP8 channel: ``weight`` float8_e4m3fn [N, K], ``scale`` float32 [N]; W[n, k] = weight[n, k] * scale[n].
+- FP8 block: ``weight`` float8_e4m3fn [N, K], ``scale`` float32 [cdiv(N, bn), cdiv(K, bk)];
+  W[n, k] = weight[n, k] * scale[n // bn, k // bk].
+- Int4: ``packed`` int32 [K // 8, N], bits 4j..4j+3 of packed[i, n] the unsigned code q of W[n, 8i + j];
+  ``scales`` [K // group, N] in the activation dtype; ``zeros`` the same shape and dtype holding the
+  unsigned zero codes, or None for the symmetric zero 8; W[n, k] = (q - z[k // group, n]) * s[k // group, n].
+
+What runs where:
+
+- ``fp8_linear``: on CUDA with compute capability >= 8.9, the activations quantised per token
+  (``fp8_quantize``) and ``torch._scaled_mm`` (cuBLASLt, row-wise scales), or this module's Triton
+  FP8 kernel where ``_scaled_mm`` cannot take the shape or dtype, or where it timed faster (few rows,
+  decided per shape on first use). Elsewhere (CPU, the interpreter, older GPUs): the same quantised
+  activations times the dequantised weight in float32.
+- ``fp8_block_linear``: the Triton kernel with per-token-group activation scales (the group is the
+  weight block's K width): each K tile's product is scaled by a_scale[m] * w_scale[n // bn] before
+  it is accumulated. Without a kernel: the same in torch.
+- ``int4_linear``: one Triton kernel, split over K for few rows (decode reads 0.5 byte per weight;
+  the split keeps every SM busy), tiled for many. Each K tile (inside one group) is
+  dot(x, q - z) in the activation dtype (exact: small integers), accumulated in float32 times the
+  group's scale. Without a kernel: the weight dequantised in float32, then one product.
+
+Launch configurations are chosen per (kind, row bucket, N, K, group, dtype) on first use on a GPU by
+timing a few candidates (``AUTOTUNE``); under the interpreter or a graph capture the first candidate
+is used and not kept. Every launch is capturable in a CUDA graph: no host syncs, buffers from
+torch's allocator.
+
+triton is imported lazily, as in ``triton_decode``. Check on the GPU against the dequantised
+reference, and time, with ``python3 bench/quant_matmul.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from fovea.engine.kernels.fp8_quantize import (
+    can_run_triton,
+    interpreting,
+    quantize_per_token,
+    quantize_per_token_group,
+)
+from fovea.engine.kernels.triton_util import next_pow2
+
+log = logging.getLogger("fovea.engine.paged")
+
+DEFAULT_SMS = 132  # H100/H200; used where no CUDA device can be asked
+SMALL_M = 16  # at most this many rows: the matrix-vector (decode) configurations
+MAX_SPLIT_K = 16
+AUTOTUNE = True  # time the candidate configurations of a new shape on first use (CUDA only)
+FP8_IMPLS = ("scaled_mm", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1  # 0: automatic (enough programs for every SM), only where the rows are few
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def describe(self) -> str:
+        split = "auto" if self.split_k == 0 else str(self.split_k)
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} split={split} "
+                f"w{self.num_warps}s{self.num_stages}")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def fp8_capable(device: torch.device) -> bool:
+    """FP8 matrix instructions (Ada, Hopper and later): compute capability >= 8.9."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+def _triton_fp8_runs(x: torch.Tensor) -> bool:
+    return can_run_triton(x) and (not x.is_cuda or fp8_capable(x.device))
+
+
+def _cannot_time() -> bool:
+    return not AUTOTUNE or interpreting() or torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_gemm_kernel(A, AS, B, BS, C, BIAS, M, N, K, k_split,
+                        stride_am, stride_as, stride_bn, stride_bsn, stride_cs, stride_cm, group_n, group_k,
+                        BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+        # C[m, n] = sum_k A[m, k] B[n, k] * scales; A, B fp8 (K-contiguous), K split over axis 1.
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_n  # grouped order: GROUP_M row tiles share the weight tiles in L2
+        first_m = (pid // width) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        k_start = split * k_split
+        k_end = tl.minimum(k_start + k_split, K)
+        a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + (k_start + offs_k)[None, :]
+        b_ptrs = B + offs_n.to(tl.int64)[None, :] * stride_bn + (k_start + offs_k)[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k_ok = (k0 + offs_k) < k_end
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if BLOCK_SCALED:  # the tile lies in one K block (BLOCK_K divides group_k)
+                kb = k0 // group_k
+                a_s = tl.load(AS + offs_m * stride_as + kb, mask=m_ok, other=0.0)
+                b_s = tl.load(BS + (offs_n // group_n) * stride_bsn + kb, mask=n_ok, other=0.0)
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            else:  # each tile's product added in float32: Hopper's fp8 MMA accumulates with fewer bits
+                acc += tl.dot(a, b)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if not BLOCK_SCALED:
+            a_s = tl.load(AS + offs_m * stride_as, mask=m_ok, other=0.0)
+            b_s = tl.load(BS + offs_n, mask=n_ok, other=0.0)
+            acc = acc * a_s[:, None] * b_s[None, :]
+        c_ptrs = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        c_ok = m_ok[:, None] & n_ok[None, :]
+        if PARTIAL:
+            tl.store(C + split.to(tl.int64) * stride_cs + c_ptrs, acc, mask=c_ok)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(C + c_ptrs, acc.to(C.dtype.element_ty), mask=c_ok)
+
+    @triton.jit
+    def int4_gemm_kernel(A, P, S, Z, C, BIAS, M, N, K, k_split,
+                         stride_am, stride_pk, stride_sk, stride_zk, stride_cs, stride_cm,
+                         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                         UPCAST: tl.constexpr):
+        # C[m, n] = sum_k A[m, k] (q[k, n] - z[g, n]) s[g, n], g = k // GROUP; K % BLOCK_K == 0 and
+        # GROUP % BLOCK_K == 0, so every K tile is whole and lies in one group.
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_n
+        first_m = (pid // width) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_p = tl.arange(0, BLOCK_K // 8)
+        shifts = tl.arange(0, 8) * 4
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        k_start = split * k_split
+        k_end = tl.minimum(k_start + k_split, K)
+        a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + (k_start + offs_k)[None, :]
+        p_ptrs = P + (k_start // 8 + offs_p).to(tl.int64)[:, None] * stride_pk + offs_n[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            p = tl.load(p_ptrs, mask=n_ok[None, :], other=0, eviction_policy="evict_first")
+            # [BLOCK_K / 8, 8, BLOCK_N] nibbles -> [BLOCK_K, BLOCK_N]: row 8i + j is nibble j of row i
+            q = tl.reshape((p[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+            g = k0 // GROUP
+            s = tl.load(S + g * stride_sk + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                z = tl.load(Z + g * stride_zk + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                w = q.to(tl.float32) - z[None, :]
+            else:
+                w = q.to(tl.float32) - 8.0
+            if UPCAST:  # the interpreter multiplies bf16 tiles as their integer bit patterns
+                acc += tl.dot(a.to(tl.float32), w, input_precision="ieee") * s[None, :]
+            else:
+                acc += tl.dot(a, w.to(A.dtype.element_ty), input_precision=PRECISION) * s[None, :]
+            a_ptrs += BLOCK_K
+            p_ptrs += (BLOCK_K // 8) * stride_pk
+        c_ptrs = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        c_ok = m_ok[:, None] & n_ok[None, :]
+        if PARTIAL:
+            tl.store(C + split.to(tl.int64) * stride_cs + c_ptrs, acc, mask=c_ok)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(C + c_ptrs, acc.to(C.dtype.element_ty), mask=c_ok)
+
+    @triton.jit
+    def split_sum_kernel(WS, BIAS, C, N, splits, stride_ws, stride_wm, stride_cm,
+                         HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+        # C[m, n] = sum over the K splits of their float32 partials (+ bias), in a fixed order.
+        m = tl.program_id(0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_s = tl.arange(0, BLOCK_S)
+        n_ok = offs_n < N
+        part = tl.load(WS + offs_s[:, None] * stride_ws + m * stride_wm + offs_n[None, :],
+                       mask=(offs_s < splits)[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.sum(part, axis=0)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(C + m * stride_cm + offs_n, acc.to(C.dtype.element_ty), mask=n_ok)
+
+    return fp8_gemm_kernel, int4_gemm_kernel, split_sum_kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# launch configurations
+
+
+def _m_bucket(rows: int) -> int:
+    return min(next_pow2(max(rows, 1)), 1024)
+
+
+def fp8_candidates(rows: int, block_k_max: int = 128) -> list[GemmConfig]:
+    """The configurations timed for an FP8 product of ``rows`` rows (the first is the default)."""
+    bk = min(128, block_k_max)
+    if rows <= SMALL_M:
+        return [GemmConfig(16, 64, bk, 0, 4, 4), GemmConfig(16, 128, bk, 0, 4, 4), GemmConfig(16, 32, bk, 0, 2, 5)]
+    if rows <= 64:
+        return [GemmConfig(64, 64, bk, 0, 4, 4), GemmConfig(32, 128, bk, 0, 4, 4), GemmConfig(64, 128, bk, 1, 4, 4)]
+    if rows <= 256:
+        return [GemmConfig(64, 128, bk, 1, 4, 4), GemmConfig(128, 128, bk, 1, 8, 3), GemmConfig(64, 64, bk, 1, 4, 4)]
+    return [GemmConfig(128, 128, bk, 1, 8, 3), GemmConfig(128, 256, bk, 1, 8, 3), GemmConfig(64, 128, bk, 1, 4, 4)]
+
+
+def int4_candidates(rows: int, group: int) -> list[GemmConfig]:
+    """The configurations timed for an int4 product (block_k is cut to divide the group)."""
+    if rows <= SMALL_M:
+        configs = [GemmConfig(16, 64, 128, 0, 4, 4), GemmConfig(16, 128, 128, 0, 4, 3),
+                   GemmConfig(16, 32, 128, 0, 2, 5), GemmConfig(16, 64, 64, 0, 4, 5)]
+    elif rows <= 64:
+        configs = [GemmConfig(32, 128, 64, 0, 4, 4), GemmConfig(64, 64, 64, 0, 4, 4), GemmConfig(16, 128, 128, 0, 4, 3)]
+    elif rows <= 256:
+        configs = [GemmConfig(64, 128, 64, 1, 4, 4), GemmConfig(128, 128, 64, 1, 8, 3), GemmConfig(64, 64, 64, 1, 4, 4)]
+    else:
+        configs = [GemmConfig(128, 128, 64, 1, 8, 3), GemmConfig(128, 256, 64, 1, 8, 3), GemmConfig(64, 128, 64, 1, 4, 4)]
+    return [GemmConfig(c.block_m, c.block_n, _pow2_divisor(c.block_k, group), c.split_k, c.num_warps, c.num_stages)
+            for c in configs]
+
+
+def _pow2_divisor(want: int, group: int) -> int:
+    """The largest power of two <= want that divides the group."""
+    bk = want
+    while bk > 1 and group % bk:
+        bk //= 2
+    return bk
+
+
+def _splits(rows: int, n: int, k: int, config: GemmConfig, unit: int, sms: int) -> tuple[int, int]:
+    """(number of K splits, K per split: a multiple of ``unit``)."""
+    k_units = -(-k // unit)
+    split = config.split_k
+    if split == 0:
+        tiles = -(-rows // config.block_m) * -(-n // config.block_n)
+        split = 1 if tiles >= sms else -(-2 * sms // tiles)
+    split = max(1, min(split, MAX_SPLIT_K, k_units))
+    per = -(-k_units // split) * unit
+    return -(-k // per), per
+
+
+_CHOSEN: dict[tuple, GemmConfig] = {}  # (kind, row bucket, N, K, group, dtype) -> the fastest candidate
+
+
+def _choose(key: tuple, candidates: list[GemmConfig], launch) -> GemmConfig:
+    config = _CHOSEN.get(key)
+    if config is not None:
+        return config
+    if _cannot_time() or len(candidates) == 1:
+        return candidates[0]
+    import triton
+
+    times = [triton.testing.do_bench(lambda c=c: launch(c), warmup=5, rep=20) for c in candidates]
+    best = min(range(len(candidates)), key=times.__getitem__)
+    log.debug("%s: %s (%s)", key, candidates[best].describe(),
+              ", ".join(f"{c.describe()} {1e3 * t:.1f} us" for c, t in zip(candidates, times, strict=True)))
+    return _CHOSEN.setdefault(key, candidates[best])
+
+
+def _finish(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int) -> None:
+    rows, n = out.shape
+    block_n = 256
+    _kernels()[2][(rows, -(-n // block_n))](ws, bias if bias is not None else out, out, n, splits, ws.stride(0),
+                                            ws.stride(1), out.stride(0), HAS_BIAS=bias is not None,
+                                            BLOCK_S=max(2, next_pow2(splits)), BLOCK_N=block_n, num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8
+
+
+def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype, block: tuple[int, int] | None = None,
+             config: GemmConfig | None = None) -> torch.Tensor:
+    """The Triton FP8 kernel on already quantised activations: ``xq`` fp8 [M, K] with ``xs`` float32
+    [M, 1] (``block`` None: per-channel ``scale`` [N]) or [M, cdiv(K, bk)] (``block`` (bn, bk):
+    ``scale`` [cdiv(N, bn), cdiv(K, bk)]). Returns [M, N] in ``out_dtype``."""
+    rows, k = xq.shape
+    n = weight.shape[0]
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    scale = scale.contiguous()
+    bk_max = 128 if block is None else min(128, _pow2_divisor(128, block[1]))
+    if config is None:
+        key = ("fp8" if block is None else f"fp8-block{block}", _m_bucket(rows), n, k, str(out_dtype))
+        config = _choose(key, fp8_candidates(rows, bk_max),
+                         lambda c: fp8_gemm(xq, xs, weight, scale, bias, out_dtype, block, c))
+    if block is not None and block[1] % config.block_k:
+        raise ValueError(f"block_k {config.block_k} must divide the weight block's K width {block[1]}")
+    out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
+    if rows == 0:
+        return out
+    splits, per = _splits(rows, n, k, config, config.block_k, _device_sms(xq.device))
+    partial = splits > 1
+    target = torch.empty((splits, rows, n), dtype=torch.float32, device=xq.device) if partial else out
+    grid = (-(-rows // config.block_m) * -(-n // config.block_n), splits)
+    group_n, group_k = block if block is not None else (1, 1)
+    _kernels()[0][grid](
+        xq, xs, weight, scale, target, bias if bias is not None else out, rows, n, k, per,
+        xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0) if block is not None else 0,
+        target.stride(0) if partial else 0, target.stride(-2), group_n, group_k,
+        BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, PARTIAL=partial,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if partial:
+        _finish(target, bias, out, splits)
+    return out
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The float32 weight [N, K] of an FP8 weight with per-channel (``block`` None) or block scales."""
+    w = weight.float()
+    if block is None:
+        return w * scale.float().reshape(-1, 1)
+    n, k = w.shape
+    bn, bk = block
+    return w * scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def _scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """cuBLASLt's row-wise scaled product: bf16 output, K and N multiples of 16, the weight
+    K-contiguous (its transpose column-major), one float32 scale per output channel."""
+    n, k = weight.shape
+    return (out_dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0 and weight.is_contiguous()
+            and scale.dtype == torch.float32 and scale.numel() == n and fp8_capable(x.device))
+
+
+def _scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    fused = bias is not None and bias.dtype == out_dtype
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.reshape(1, -1), bias=bias if fused else None,
+                         out_dtype=out_dtype)
+    if bias is not None and not fused:
+        y = y + bias.to(out_dtype)
+    return y
+
+
+
+
+def _fp8_impl(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> str:
+    if not (x2.is_cuda and fp8_capable(x2.device)):
+        return "torch"
+    if not _scaled_mm_takes(x2, weight, scale, out_dtype):
+        return "triton" if can_run_triton(x2) else "torch"
+    # A few rows (decode): the Triton kernel. On the H200 it beat cuBLASLt's row-wise scaled product
+    # at 1 and 8 rows on every 7B and 72B shape (bench/quant_matmul.py, 2026-12-03: 2.84 against
+    # 4.32 ms per 7B decode step), and a fixed choice is the same inside a CUDA graph's capture,
+    # where nothing can be timed.
+    return "triton" if x2.shape[0] <= SMALL_M and can_run_triton(x2) else "scaled_mm"
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None, *, impl: str | None = None) -> torch.Tensor:
+    """y = quant(x) @ W^T (+ bias) for an FP8 weight with per-channel scales: ``weight`` fp8 [N, K],
+    ``scale`` float32 [N]; x [..., K] bf16/fp16/fp32, quantised per token (dynamic e4m3).
+    Returns [..., N] in ``out_dtype`` (x's dtype by default). ``impl`` forces "scaled_mm", "triton"
+    or "torch" (the float32 product of the quantised activations and the dequantised weight)."""
+    out_dtype = out_dtype or x.dtype
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    impl = impl or _fp8_impl(x2, weight, scale, bias, out_dtype)
+    if impl not in FP8_IMPLS:
+        raise ValueError(f"impl must be one of {FP8_IMPLS}, got {impl!r}")
+    xq, xs = quantize_per_token(x2)
+    if impl == "scaled_mm":
+        y = _scaled_mm(xq, xs, weight, scale, bias, out_dtype)
+    elif impl == "triton":
+        y = fp8_gemm(xq, xs, weight, scale.reshape(-1).contiguous(), bias, out_dtype)
+    else:
+        y = (xq.float() @ weight.float().t()) * xs * scale.float().reshape(1, -1)
+        if bias is not None:
+            y = y + bias.float()
+        y = y.to(out_dtype)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *,
+                     config: GemmConfig | None = None) -> torch.Tensor:
+    """y = quant(x) @ W^T (+ bias) for an FP8 weight with block scales: ``weight`` fp8 [N, K],
+    ``scale`` float32 [cdiv(N, bn), cdiv(K, bk)] for ``block`` = (bn, bk); x [..., K] is quantised
+    per token and group of bk columns. The Triton kernel where one can run (bk must then have a
+    power-of-two factor >= 16), else the same in torch. Returns [..., N] in ``out_dtype`` (x's dtype)."""
+    out_dtype = out_dtype or x.dtype
+    bn, bk = int(block[0]), int(block[1])
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    xq, xs = quantize_per_token_group(x2, bk)
+    if _triton_fp8_runs(x2) and _pow2_divisor(128, bk) >= 16:
+        y = fp8_gemm(xq, xs, weight, scale, bias, out_dtype, (bn, bk), config)
+    else:
+        a = xq.float() * xs.repeat_interleave(bk, 1)[:, :k]
+        y = a @ dequantize_fp8(weight, scale, (bn, bk)).t()
+        if bias is not None:
+            y = y + bias.float()
+        y = y.to(out_dtype)
+    return y.reshape(*lead, weight.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# int4
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    group: int) -> torch.Tensor:
+    """The float32 weight [N, K] of a packed int4 weight (the layout above)."""
+    rows, n = packed.shape
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    q = ((packed[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(rows * 8, n).float()  # [K, N]
+    z = zeros.float().repeat_interleave(group, 0) if zeros is not None else 8.0
+    return ((q - z) * scales.float().repeat_interleave(group, 0)).t()
+
+
+def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+              bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
+    """The Triton int4 kernel: x [M, K] -> [M, N] in x's dtype (see ``int4_linear``)."""
+    rows, k = x.shape
+    n = packed.shape[1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if packed.stride(1) != 1 or scales.stride(1) != 1 or (zeros is not None and zeros.stride(1) != 1):
+        raise ValueError("packed, scales and zeros must be contiguous along N")
+    if config is None:
+        key = ("int4", _m_bucket(rows), n, k, group, str(x.dtype), zeros is not None)
+        config = _choose(key, int4_candidates(rows, group), lambda c: int4_gemm(x, packed, scales, zeros, group,
+                                                                               bias, c))
+    if group % config.block_k or config.block_k < 16 or config.block_k % 8:
+        raise ValueError(f"block_k {config.block_k} must be >= 16 and divide the group {group}")
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    splits, per = _splits(rows, n, k, config, group, _device_sms(x.device))
+    partial = splits > 1
+    target = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device) if partial else out
+    grid = (-(-rows // config.block_m) * -(-n // config.block_n), splits)
+    _kernels()[1][grid](
+        x, packed, scales, zeros if zeros is not None else scales, target, bias if bias is not None else out,
+        rows, n, k, per, x.stride(0), packed.stride(0), scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0, target.stride(0) if partial else 0, target.stride(-2),
+        GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, PARTIAL=partial,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=interpreting() and x.dtype == torch.bfloat16,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if partial:
+        _finish(target, bias, out, splits)
+    return out
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                group: int, bias: torch.Tensor | None = None, *, config: GemmConfig | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ bias) for a packed int4 weight: x [..., K] (bf16/fp16/fp32), ``packed`` int32
+    [K // 8, N], ``scales`` and ``zeros`` (or None: symmetric, zero 8) [K // group, N] in x's dtype;
+    K % group == 0, group % 8 == 0, any N. The Triton kernel where one can run (the group must have
+    a power-of-two factor >= 16), else the weight dequantised in float32. Returns [..., N] in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = packed.shape[1]
+    if k % group or group % 8 or packed.shape[0] * 8 != k or scales.shape != (k // group, n):
+        raise ValueError(f"int4 weight: packed {tuple(packed.shape)}, scales {tuple(scales.shape)} and group {group} "
+                         f"do not fit K = {k}")
+    x2 = x.reshape(-1, k)
+    if can_run_triton(x2) and _pow2_divisor(128, group) >= 16:
+        y = int4_gemm(x2, packed, scales, zeros, group, bias, config)
+    else:
+        y = x2.float() @ dequantize_int4(packed, scales, zeros, group).t()
+        if bias is not None:
+            y = y + bias.float()
+        y = y.to(x.dtype)
+    return y.reshape(*lead, n)

@@ -1,0 +1,72 @@
+"""``--load-format dummy``: random weights of the config's shapes and format, made on the device,
+with no weight file read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from fovea.quant.weights import Fp8Weight, Int4Weight
+from quant_helpers import chat, engine_greedy
+
+from fovea.config import ServerSettings
+from fovea.loading.contract import check_contract
+from fovea.loading.loader import load_model
+from fovea.loading.quantized import QuantLinear, quantized_linears
+from fovea.testing import random_qwen2_5_vl
+
+
+def without_weights(source, target):
+    """``source``'s directory minus its safetensors files (what a user has for a shape they plan)."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+    assert not list(target.glob("*.safetensors"))
+    return target
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return random_qwen2_5_vl.write_model_dir(tmp_path_factory.mktemp("q") / "tiny", arch="tiny", seed=5)
+
+
+def test_an_unquantized_shape_loads_without_files_and_answers(qwen_dir, tmp_path):
+    loaded = load_model(without_weights(qwen_dir, tmp_path / "d"), "cpu", "float32", load_format="dummy")
+    assert loaded.load_format == "dummy" and loaded.quantization is None
+    assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in loaded.model.parameters())
+    contract = check_contract(loaded)
+    assert contract.load_format == "dummy" and any("random" in note for note in contract.notes)
+    tokens = engine_greedy(loaded, [chat(loaded, 1)])[0]
+    assert len(tokens) == 8
+
+
+def test_without_dummy_a_directory_without_weights_is_refused(qwen_dir, tmp_path):
+    from fovea.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="weights"):
+        load_model(without_weights(qwen_dir, tmp_path / "d"), "cpu", "float32")
+
+
+@pytest.mark.parametrize("scheme, kind", [("fp8-dynamic", Fp8Weight), ("w4a16", Int4Weight),
+                                          ("fp8-block", Fp8Weight), ("awq", Int4Weight)])
+def test_a_quantized_shape_gets_its_format_made_at_random(quantized_dir, tmp_path, scheme, kind):
+    source = quantized_dir("qwen2_5_vl", scheme)
+    loaded = load_model(without_weights(source, tmp_path / "d"), "cpu", "float32", load_format="dummy")
+    layers = quantized_linears(loaded.model)
+    decoder = loaded.adapter.lm_spec(loaded.model).language_model.layers
+    assert len(layers) == 7 * len(decoder) and all(isinstance(m.quant, kind) for m in layers.values())
+    config = json.loads((source / "config.json").read_text())["quantization_config"]
+    if scheme == "fp8-block":
+        assert all(m.quant.block == tuple(config["weight_block_size"]) for m in layers.values())
+    q_proj = decoder[0].self_attn.q_proj
+    assert isinstance(q_proj, QuantLinear)
+    std = float(q_proj.quant.dequantize(torch.float32).std())
+    assert 0.005 < std < 0.08  # about the 0.02 of an initialised linear: activations stay finite
+    assert len(engine_greedy(loaded, [chat(loaded, 2)])[0]) == 8
+
+
+def test_dummy_weights_run_in_agg_only():
+    with pytest.raises(ValueError, match="--topology agg"):
+        ServerSettings(load_format="dummy", topology="e_pd")
+    with pytest.raises(ValueError, match="auto or dummy"):
+        ServerSettings(load_format="npz")
