@@ -4,14 +4,13 @@ several images of different sizes and aspect ratios per prompt, encoded in one p
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
+from engine_runs import tokens_of
 from PIL import Image
 
 from fovea.engine import PagedEngine, PagedEngineConfig
-from fovea.engine.core.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.reference import reference_generate
 from fovea.engine.sampling.params import SamplingParams
 from fovea.engine.vision.qwen_vision_fused import QwenFusedVision
@@ -36,25 +35,7 @@ def chat(model, images, text):
 
 
 def generate(engine: PagedEngine, prompts) -> list[list[int]]:
-    async def one(prompt):
-        tokens = []
-        async for event in engine.generate(prompt, GREEDY):
-            if isinstance(event, TokenEvent) and event.token_id >= 0:
-                tokens.append(event.token_id)
-            elif isinstance(event, ErrorEvent):
-                raise event.error
-            elif isinstance(event, FinishEvent):
-                return tokens
-        raise AssertionError("no finish event")
-
-    async def main():
-        engine.start()
-        try:
-            return await asyncio.gather(*(one(p) for p in prompts))
-        finally:
-            engine.stop()
-
-    return asyncio.run(main())
+    return tokens_of(engine, prompts, GREEDY)
 
 
 @pytest.mark.parametrize("writer", [random_qwen2_5_vl.write_model_dir, random_qwen3_vl.write_model_dir],

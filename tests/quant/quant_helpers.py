@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
+from engine_runs import tokens_of
 from PIL import Image
 
 from fovea.engine import PagedEngine, PagedEngineConfig
-from fovea.engine.core.request import ErrorEvent, FinishEvent, TokenEvent
 from fovea.engine.sampling.params import SamplingParams
 from fovea.loading.prompt import encode_prompt, render_chat
 
@@ -21,24 +19,4 @@ def chat(loaded, seed: int, text: str = "What is in the image?"):
 
 
 def engine_greedy(loaded, prompts) -> list[list[int]]:
-    engine = PagedEngine(loaded, PagedEngineConfig(num_blocks=128, max_num_batched_tokens=64))
-
-    async def one(prompt):
-        tokens = []
-        async for event in engine.generate(prompt, GREEDY):
-            if isinstance(event, TokenEvent) and event.token_id >= 0:
-                tokens.append(event.token_id)
-            elif isinstance(event, ErrorEvent):
-                raise event.error
-            elif isinstance(event, FinishEvent):
-                return tokens
-        raise AssertionError("no finish event")
-
-    async def main():
-        engine.start()
-        try:
-            return await asyncio.gather(*(one(p) for p in prompts))
-        finally:
-            engine.stop()
-
-    return asyncio.run(main())
+    return tokens_of(PagedEngine(loaded, PagedEngineConfig(num_blocks=128, max_num_batched_tokens=64)), prompts, GREEDY)
