@@ -8,13 +8,13 @@ import shutil
 
 import pytest
 import torch
-from fovea.quant.weights import Fp8Weight, Int4Weight
 from quant_helpers import chat, engine_greedy
 
 from fovea.config import ServerSettings
 from fovea.loading.contract import check_contract
 from fovea.loading.loader import load_model
 from fovea.loading.quantized import QuantLinear, quantized_linears
+from fovea.quant.weights import Fp8Weight, Int4Weight
 from fovea.testing import random_qwen2_5_vl
 
 
@@ -70,3 +70,21 @@ def test_dummy_weights_run_in_agg_only():
         ServerSettings(load_format="dummy", topology="e_pd")
     with pytest.raises(ValueError, match="auto or dummy"):
         ServerSettings(load_format="npz")
+
+
+def test_a_dummy_server_says_so_and_its_canary_verdict_does_not_count(qwen_dir, tmp_path):
+    import httpx
+    from scene_helpers import free_port, start_server, stop_server
+
+    path = without_weights(qwen_dir, tmp_path / "d")
+    loaded = load_model(path, "cpu", "float32", load_format="dummy")
+    settings = ServerSettings(model=path, host="127.0.0.1", port=free_port(), device="cpu", dtype="float32",
+                              load_format="dummy", strict=True)  # --strict: a failed canary would refuse to start
+    live, server, thread = start_server(settings, loaded)
+    try:
+        health = httpx.get(live.base_url + "/health", timeout=30).json()
+    finally:
+        stop_server(server, thread)
+    assert health["load_format"] == "dummy" and health["status"] == "ok"
+    assert health["canary"] is not None and health["canary"]["meaningful"] is False
+    assert any("random" in warning for warning in health["warnings"])

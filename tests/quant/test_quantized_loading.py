@@ -138,3 +138,23 @@ def test_health_models_and_doctor_name_the_format(quantized_dir):
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
     checks = {c.name: c for c in contract_checks(path, "cpu", "float32")}
     assert label in checks["model.quantization"].detail and checks["model.quantization"].status.name == "PASS"
+
+
+def test_fovea_serve_refuses_an_unsupported_format_in_one_line_before_serving(quantized_dir, tmp_path):
+    import subprocess
+    import sys
+
+    source = quantized_dir("llava", "w4a16")
+    target = tmp_path / "gguf"
+    target.mkdir()
+    for file in source.iterdir():
+        if file.name != "config.json":
+            (target / file.name).symlink_to(file)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}
+    (target / "config.json").write_text(json.dumps(config))
+    result = subprocess.run([sys.executable, "-m", "fovea.cli", "serve", "--model", str(target), "--device", "cpu",
+                             "--port", "1", "--no-canary"], check=False, capture_output=True, text=True, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if "gptq" in line.lower()]
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-2000:]
+    assert "supported:" in lines[0] and "AWQ" in lines[0] and "Traceback" not in result.stderr
