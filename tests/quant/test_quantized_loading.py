@@ -97,10 +97,15 @@ def test_an_unsupported_format_is_refused_in_one_line_that_lists_the_supported(q
     assert "compressed-tensors" in message and "awq" in message.lower()
 
 
-def test_a_quantized_layer_missing_from_the_checkpoint_is_refused_not_left_random(quantized_dir, tmp_path):
+@pytest.mark.parametrize("family, dropped, refusal", [
+    ("llava", ".layers.0.mlp.down_proj.", "missing from the checkpoint"),  # a whole quantized layer
+    ("qwen2_5_vl", ".layers.0.self_attn.q_proj.bias", "has no bias in the checkpoint"),  # a quantized layer's bias
+])
+def test_a_tensor_missing_from_the_checkpoint_is_refused_not_left_random(quantized_dir, tmp_path, family, dropped,
+                                                                         refusal):
     from safetensors.torch import load_file, save_file
 
-    source = quantized_dir("llava", "w4a16")
+    source = quantized_dir(family, "w4a16")
     target = tmp_path / "holed"
     target.mkdir()
     for file in source.iterdir():
@@ -109,12 +114,12 @@ def test_a_quantized_layer_missing_from_the_checkpoint_is_refused_not_left_rando
     tensors = {}
     for file in sorted(source.glob("*.safetensors")):
         tensors.update(load_file(file))
-    dropped = [name for name in tensors if ".layers.0.mlp.down_proj." in name]
-    assert dropped
-    for name in dropped:
+    names = [name for name in tensors if dropped in name]
+    assert names
+    for name in names:
         del tensors[name]
     save_file(tensors, target / "model.safetensors")
-    with pytest.raises(ModelLoadError, match="missing from the checkpoint"):
+    with pytest.raises(ModelLoadError, match=refusal):
         load_model(target, "cpu", "float32")
 
 

@@ -176,6 +176,9 @@ def load_quantized(model_class: type, path: Path, config: Any, fmt: QuantFormat,
             raise ModelLoadError(f"{path}: {prefix!r} has {fmt.label} tensors that do not make a whole weight")
         quant = quant.to(device)
         bias = tensors.get(f"{prefix}.bias")
+        if (bias is None) != (module.bias is None):  # never a bias dropped, or one the model has no place for
+            raise ModelLoadError(f"{path}: {prefix} {'has no' if bias is None else 'has a'} bias in the checkpoint, "
+                                 f"but the model's layer {'has one' if bias is None else 'has none'}")
         if bias is not None:
             bias = bias.to(device=device, dtype=dtype)
             taken.add(f"{prefix}.bias")
