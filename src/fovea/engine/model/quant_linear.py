@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.kernels import triton_ops
+from fovea.engine.kernels import quant_matmul, triton_ops
 from fovea.engine.model.weights import fuse_rows
 from fovea.quant.weights import Fp8Weight, Int4Weight, QuantWeight, dequantized_linear
 
@@ -40,8 +40,6 @@ def torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = No
 def fused_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return triton_ops.linear(x, weight, bias)
-    from fovea.engine.kernels import quant_matmul
-
     if isinstance(weight, Fp8Weight):
         if weight.block is not None:
             return quant_matmul.fp8_block_linear(x, weight.weight, weight.scale, weight.block, bias)
