@@ -88,3 +88,17 @@ def test_a_dummy_server_says_so_and_its_canary_verdict_does_not_count(qwen_dir, 
     assert health["load_format"] == "dummy" and health["status"] == "ok"
     assert health["canary"] is not None and health["canary"]["meaningful"] is False
     assert any("random" in warning for warning in health["warnings"])
+
+
+def test_the_canary_is_checked_against_max_model_len_without_weight_files(qwen_dir, tmp_path):
+    """The start-up check that fits the canary to --max-model-len reads only the processor and
+    config: a dummy directory, which has no weights, passes it (and a too-short limit is still refused)."""
+    from fovea.serve.startup_checks import StartupRefused, check_before_load
+    from scene_helpers import free_port
+
+    path = without_weights(qwen_dir, tmp_path / "d")
+    settings = lambda length: ServerSettings(model=path, host="127.0.0.1", port=free_port(), device="cpu",
+                                             dtype="float32", load_format="dummy", max_model_len=length)
+    check_before_load(settings(4096))
+    with pytest.raises(StartupRefused, match="--max-model-len"):
+        check_before_load(settings(16))

@@ -298,13 +298,15 @@ def structure_only(model_class: type, path: Path, dtype: torch.dtype) -> torch.n
     return model
 
 
-def load_codec(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> PromptCodec:
+def load_codec(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               load_format: str = "auto") -> PromptCodec:
     """The model's prompt codec alone: its processor and config, no weights (start-up checks
-    that need prompt lengths before the weights are loaded)."""
+    that need prompt lengths before the weights are loaded). ``load_format`` "dummy": the
+    directory may hold no weight files."""
     from transformers import AutoConfig
 
     path = (Path(path) if path else default_model_dir()).expanduser().resolve()
-    inspect_model_dir(path)
+    inspect_model_dir(path, load_format)
     adapter = adapter_for(json.loads((path / "config.json").read_text())["model_type"])
     assert adapter is not None  # inspect_model_dir refused the others
     try:

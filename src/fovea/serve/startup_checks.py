@@ -38,7 +38,8 @@ def check_before_load(settings: ServerSettings, *, front: bool = False) -> None:
 
         try:
             with STARTUP.phase("canary against the limits"):
-                fit_canary(load_codec(settings.model), settings.media, settings.max_model_len)
+                fit_canary(load_codec(settings.model, load_format=settings.load_format), settings.media,
+                           settings.max_model_len)
         except CanaryTooLong as exc:
             raise StartupRefused(too_short(f"--max-model-len {exc.limit}", exc,
                                            f"use --max-model-len {exc.need} or more")) from None
