@@ -52,10 +52,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import load_procs  # noqa: E402
-import serve_load as load  # noqa: E402
+import load_procs
+import serve_load as load
 
-from fovea.testing.random_llava import prompt_words, write_model_dir  # noqa: E402
+from fovea.testing.random_llava import prompt_words, write_model_dir
 
 TEXT_TOKENS, MAX_TOKENS = 64, 128
 
@@ -98,7 +98,7 @@ class Server:
         env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",
                "PYTHONUNBUFFERED": "1"}
         self.started = time.perf_counter()
-        self.handle = open(self.log_path, "w")
+        self.handle = open(self.log_path, "w")  # noqa: SIM115 - the server writes it until stop() closes it
         self.proc = subprocess.Popen(cmd, stdout=self.handle, stderr=subprocess.STDOUT, env=env)
         self.ready_s = math.nan
 
@@ -139,7 +139,7 @@ def process_gpu_bytes(pid: int) -> int | None:
     """The device memory nvidia-smi shows for ``pid`` (None where it cannot tell)."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
+                             capture_output=True, text=True, timeout=20, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     for line in out.splitlines():
@@ -354,7 +354,7 @@ def neighbour(args, results: dict, out: Path) -> None:
 
 def hog(model_dir: Path, args, results: dict, out: Path) -> None:
     """Another process holds most of the GPU: the 7B server must refuse at once, naming need and free."""
-    free, total = torch.cuda.mem_get_info()
+    free, _ = torch.cuda.mem_get_info()
     held = torch.empty(max(0, free - 12 * 2**30), dtype=torch.uint8, device="cuda")  # leave 12 GiB: < the weights
     try:
         started = time.perf_counter()
@@ -422,17 +422,17 @@ def table(results: dict) -> str:
                      f"roofline {roof:.0f}; goals 90% / 80%"))
         busiest = max(b["client"]["busiest_worker_core_share"] for b in bursts)
         rows.append(("burst: the load generator's CPU", "-",
-                     f"{bursts[0]['client']['processes']} processes, "
-                     f"{max(b['client']['cores_busy'] for b in bursts):.2f} cores busy, busiest worker "
-                     f"{busiest:.0%} of a core", "busiest well under 100%"))
+                     (f"{bursts[0]['client']['processes']} processes, "
+                      f"{max(b['client']['cores_busy'] for b in bursts):.2f} cores busy, busiest worker "
+                      f"{busiest:.0%} of a core"), "busiest well under 100%"))
         for share, s in srv["sustained"].items():
             rows.append((f"Poisson {share} ({s['rate_req_s']:.1f} req/s)", "-",
-                         f"TTFT {s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms, TPOT {s['tpot_p50_ms']:.1f}/"
-                         f"{s['tpot_p99_ms']:.1f} ms (p50/p99), failed {s['failed']} of {s['requests']}", "0 failed"))
+                         (f"TTFT {s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms, TPOT {s['tpot_p50_ms']:.1f}/"
+                          f"{s['tpot_p99_ms']:.1f} ms (p50/p99), failed {s['failed']} of {s['requests']}"), "0 failed"))
         m = srv["memory"]
         rows.append(("memory", f"plan {gib(off.get('plan_bytes'))}",
-                     f"plan {gib(m['planned_bytes'])}, torch peak {gib(m['torch_peak_reserved_bytes'])} <= cap "
-                     f"{gib(m['torch_cap_bytes'])}: {m['peak_within_plan']}; process {gib(m['process_gpu_bytes'])}",
+                     (f"plan {gib(m['planned_bytes'])}, torch peak {gib(m['torch_peak_reserved_bytes'])} <= cap "
+                      f"{gib(m['torch_cap_bytes'])}: {m['peak_within_plan']}; process {gib(m['process_gpu_bytes'])}"),
                      "peak within plan"))
     for key in ("neighbour", "hog", "pair"):
         if key in results:
@@ -500,7 +500,7 @@ def main() -> int:
         write_model_dir(args.model_dir, args.arch, "cuda" if cuda else "cpu")
         log(f"wrote {args.arch} to {args.model_dir} in {time.perf_counter() - started:.1f} s")
     server = None
-    save = lambda: (args.out / "gpu_serve.json").write_text(json.dumps(results, indent=2, default=str))  # noqa: E731
+    save = lambda: (args.out / "gpu_serve.json").write_text(json.dumps(results, indent=2, default=str))
     try:
         if "offline" in phases:
             offline(args.model_dir, args, results)
