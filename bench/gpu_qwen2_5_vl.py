@@ -1,6 +1,8 @@
-"""Qwen2.5-VL-7B at real resolutions on one GPU: `fovea serve` under a 720p burst, the vision stage, a check.
+"""Qwen2.5-VL-7B at real resolutions on one GPU: the offline engine and `fovea serve` under a 720p
+burst and Poisson loads, the vision stage, a check.
 
-    python3 bench/gpu_qwen2_5_vl.py --out $OUT [--sections serve,vision,check] [--topologies agg,e_pd]
+    python3 bench/gpu_qwen2_5_vl.py --out $OUT [--sections offline,serve,vision,check] [--topologies agg,e_pd]
+        [--loads 0.5,0.8,1.0] [--sustain-seconds 30]
 
 A random-weight directory of Qwen2.5-VL-7B-Instruct's shape (its config, processor, special
 tokens and vocabulary size; ``fovea.testing.random_qwen2_5_vl``) is written to /tmp and measured

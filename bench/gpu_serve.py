@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import math
 import os
@@ -40,6 +41,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,10 +52,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import load_procs  # noqa: E402
-import serve_load as load  # noqa: E402
+import load_procs
+import serve_load as load
 
-from fovea.testing.random_llava import prompt_words, write_model_dir  # noqa: E402
+from fovea.testing.random_llava import prompt_words, write_model_dir
 
 TEXT_TOKENS, MAX_TOKENS = 64, 128
 
@@ -96,7 +98,7 @@ class Server:
         env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}",
                "PYTHONUNBUFFERED": "1"}
         self.started = time.perf_counter()
-        self.handle = open(self.log_path, "w")
+        self.handle = open(self.log_path, "w")  # noqa: SIM115 - the server writes it until stop() closes it
         self.proc = subprocess.Popen(cmd, stdout=self.handle, stderr=subprocess.STDOUT, env=env)
         self.ready_s = math.nan
 
@@ -137,7 +139,7 @@ def process_gpu_bytes(pid: int) -> int | None:
     """The device memory nvidia-smi shows for ``pid`` (None where it cannot tell)."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
+                             capture_output=True, text=True, timeout=20, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     for line in out.splitlines():
@@ -149,48 +151,68 @@ def process_gpu_bytes(pid: int) -> int | None:
 
 # ---- phases -----------------------------------------------------------------------------------
 
-def offline(model_dir: Path, args, results: dict) -> None:
-    """The engine alone, in this process, on the same requests (images through the same processor)."""
-    from fovea.engine import PagedEngine, PagedEngineConfig
+async def engine_request(engine, prompt, params) -> load.Result:
+    """One request through an engine in this process, timed as the HTTP client times it: from
+    submitting to the first token, and to the finish; ok when it ran to ``params.max_tokens``."""
     from fovea.engine.core.request import FinishEvent, TokenEvent
-    from fovea.engine.sampling.params import SamplingParams
-    from fovea.loading.loader import load_model
+
+    start, first = time.perf_counter(), None
+    async for event in engine.generate(prompt, params):
+        if isinstance(event, TokenEvent) and first is None:
+            first = time.perf_counter()
+        elif isinstance(event, FinishEvent):
+            n = event.completion_tokens
+            if first is None:
+                return load.Result(False, error="finished without a token")
+            return load.Result(n == params.max_tokens, first - start, time.perf_counter() - start, n)
+    return load.Result(False, error="no finish")
+
+
+def engine_burst(engine, prompts: list, params) -> tuple[list[load.Result], float]:
+    """``prompts`` submitted to a started engine at once: their results and the seconds to the last."""
+    async def many() -> tuple[list[load.Result], float]:
+        started = time.perf_counter()
+        out = await asyncio.gather(*(engine_request(engine, p, params) for p in prompts))
+        return list(out), time.perf_counter() - started
+
+    return asyncio.run(many())
+
+
+def body_prompt(loaded, body: dict):
+    """The prompt the server makes of a chat ``body`` (one user message of data-URL images and
+    text): its images decoded as the server decodes them, the chat template, the processor. Made
+    before any clock starts, so an offline figure leaves out what HTTP requests spend on it."""
     from fovea.loading.prompt import encode_prompt, render_chat
     from fovea.media import MediaConfig, decode_image_bytes
 
+    parts = body["messages"][0]["content"]
+    reduce_to = loaded.codec.target_short_side()
+    images = [decode_image_bytes(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]), MediaConfig(), reduce_to)
+              for p in parts if p["type"] == "image_url"]
+    content = [{"type": "image"} if p["type"] == "image_url" else p for p in parts]
+    return encode_prompt(loaded, render_chat(loaded, [{"role": "user", "content": content}]), images)
+
+
+def offline(model_dir: Path, args, results: dict) -> None:
+    """The engine alone, in this process, on the same requests (images through the same processor)."""
+    from fovea.engine import PagedEngine, PagedEngineConfig
+    from fovea.engine.sampling.params import SamplingParams
+    from fovea.loading.loader import load_model
+
     loaded = load_model(model_dir, args.device, "auto")
     engine = PagedEngine(loaded, PagedEngineConfig())
-    reduce_to = loaded.codec.target_short_side()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
-    def prompt(seed: int):
-        image = decode_image_bytes(load.photo_jpeg(seed), MediaConfig(), reduce_to)
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt_words(TEXT_TOKENS, seed)}]}]
-        return encode_prompt(loaded, render_chat(loaded, messages), [image])
-
-    async def one(p):
-        start, first, n = time.perf_counter(), None, 0
-        async for event in engine.generate(p, params):
-            if isinstance(event, TokenEvent) and first is None:
-                first = time.perf_counter()
-            elif isinstance(event, FinishEvent):
-                n = event.completion_tokens
-                return load.Result(n == MAX_TOKENS, first - start, time.perf_counter() - start, n)
-        return load.Result(False, error="no finish")
-
-    async def many(prompts):
-        started = time.perf_counter()
-        out = await asyncio.gather(*(one(p) for p in prompts))
-        return list(out), time.perf_counter() - started
+    def prompts(first_seed: int, n: int) -> list:
+        return [body_prompt(loaded, body) for body in bodies("offline", first_seed, n)]
 
     engine.start()
     try:
-        singles = [asyncio.run(many([prompt(10_000 + i)]))[0][0] for i in range(args.singles + 1)][1:]
+        singles = [engine_burst(engine, prompts(10_000 + i, 1), params)[0][0] for i in range(args.singles + 1)][1:]
         single = load.summarize(singles, 1.0)
         runs = []
         for run in range(args.runs):
-            prompts = [prompt(20_000 + 1000 * run + i) for i in range(args.burst)]
-            results_, wall = asyncio.run(many(prompts))
+            results_, wall = engine_burst(engine, prompts(20_000 + 1000 * run, args.burst), params)
             runs.append(load.summarize(results_, wall))
             log(f"offline burst {run + 1}: {runs[-1].tok_s:.0f} tok/s, failed {runs[-1].failed}")
         plan = engine.runner.memory_plan
@@ -199,7 +221,7 @@ def offline(model_dir: Path, args, results: dict) -> None:
                               "plan_bytes": plan.planned_bytes}
         log(f"offline: single TTFT {single.ttft_p50_ms:.1f} ms TPOT {single.tpot_p50_ms:.2f} ms; "
             f"burst {[round(r.tok_s) for r in runs]} tok/s")
-        results["roofline_tok_s"] = roofline(loaded, args, len(prompt(1).input_ids))
+        results["roofline_tok_s"] = roofline(loaded, args, len(prompts(1, 1)[0].input_ids))
     finally:
         engine.stop()
 
@@ -262,30 +284,44 @@ def serve(model_dir: Path, args, results: dict, out: Path) -> Server:
     best = sorted(runs, key=lambda b: b.tok_s)[len(runs) // 2]
     capacity = best.requests / best.wall_s  # requests/s the burst sustained
     r["capacity_req_s"] = capacity
-    r["sustained"] = {}
+    r["sustained"] = sustained(server.url, lambda first, n: bodies(name, first, n), capacity, args)
+    r["memory"] = memory_summary(server)
+    return server
+
+
+def sustained(url: str, make_bodies: Callable[[int, int], list[dict]], capacity_req_s: float, args,
+              seed_base: int = 100_000) -> dict[str, dict]:
+    """Open-loop Poisson arrivals at each share of ``capacity_req_s`` in ``args.loads``, for
+    ``args.sustain_seconds`` each, from ``args.client_processes`` processes: per load (keyed "50%")
+    the summary, the rate and the client's CPU. ``make_bodies(first_seed, n)`` makes n distinct
+    requests; exactly as many as arrive are made."""
+    out: dict[str, dict] = {}
     for share in args.loads:
-        rate = share * capacity
-        n = int(rate * args.sustain_seconds * 1.5) + 16
-        sent = load_procs.poisson(server.url, bodies(name, 100_000 + int(share * 1e4) * 10, n), rate,
-                                  args.sustain_seconds, processes=args.client_processes, seed=int(share * 100))
+        rate, seed = share * capacity_req_s, int(share * 100)
+        n = len(load_procs.arrivals(rate, args.sustain_seconds, seed))
+        sent = load_procs.poisson(url, make_bodies(seed_base + int(share * 1e4) * 10, n), rate, args.sustain_seconds,
+                                  processes=args.client_processes, seed=seed)
         s = load.summarize(sent.results, sent.wall_s)
-        r["sustained"][f"{share:.0%}"] = {**vars(s), "rate_req_s": rate, "client": sent.client}
-        log(f"Poisson {share:.0%} ({rate:.1f} req/s, {s.requests} requests): TTFT p50 {s.ttft_p50_ms:.0f} p99 "
+        out[f"{share:.0%}"] = {**vars(s), "rate_req_s": rate, "client": sent.client}
+        log(f"Poisson {share:.0%} ({rate:.2f} req/s, {s.requests} requests): TTFT p50 {s.ttft_p50_ms:.0f} p99 "
             f"{s.ttft_p99_ms:.0f} ms, TPOT p50 {s.tpot_p50_ms:.1f} p99 {s.tpot_p99_ms:.1f} ms, failed {s.failed} "
             f"{s.errors}; {load_procs.describe(sent.client)}")
-    health = httpx.get(server.url + "/health").json()
-    memory = health.get("memory") or {}
+    return out
+
+
+def memory_summary(server: Server) -> dict:
+    """The server's memory plan (/health) beside what it has held: torch's peak reserved bytes
+    against the plan's cap (``peak_within_plan`` None where there is no cap: on the CPU)."""
+    memory = httpx.get(server.url + "/health", timeout=30).json().get("memory") or {}
     now = memory.get("now") or {}
-    r["memory"] = {"planned_bytes": memory.get("planned_bytes"), "torch_cap_bytes": memory.get("torch_cap_bytes"),
-                   "torch_peak_reserved_bytes": now.get("torch_peak_reserved_bytes"),
-                   "process_gpu_bytes": process_gpu_bytes(server.proc.pid), "oom_recoveries": memory.get("oom_recoveries"),
-                   "lines": memory.get("lines")}
     peak, cap = now.get("torch_peak_reserved_bytes"), memory.get("torch_cap_bytes")
-    r["memory"]["peak_within_plan"] = (peak is not None and cap is not None and peak <= cap) if cap else None
-    log(f"memory: planned {gib(memory.get('planned_bytes'))}, torch cap {gib(cap)}, torch peak reserved "
-        f"{gib(peak)}, process on the GPU {gib(r['memory']['process_gpu_bytes'])}, "
-        f"out-of-memory recoveries {memory.get('oom_recoveries')}")
-    return server
+    out = {"planned_bytes": memory.get("planned_bytes"), "torch_cap_bytes": cap, "torch_peak_reserved_bytes": peak,
+           "process_gpu_bytes": process_gpu_bytes(server.proc.pid), "oom_recoveries": memory.get("oom_recoveries"),
+           "kv_cache": memory.get("kv_cache"), "lines": memory.get("lines"),
+           "peak_within_plan": (peak is not None and peak <= cap) if cap else None}
+    log(f"memory: planned {gib(out['planned_bytes'])}, torch cap {gib(cap)}, torch peak reserved {gib(peak)}, "
+        f"process on the GPU {gib(out['process_gpu_bytes'])}, out-of-memory recoveries {out['oom_recoveries']}")
+    return out
 
 
 def neighbour(args, results: dict, out: Path) -> None:
@@ -318,7 +354,7 @@ def neighbour(args, results: dict, out: Path) -> None:
 
 def hog(model_dir: Path, args, results: dict, out: Path) -> None:
     """Another process holds most of the GPU: the 7B server must refuse at once, naming need and free."""
-    free, total = torch.cuda.mem_get_info()
+    free, _ = torch.cuda.mem_get_info()
     held = torch.empty(max(0, free - 12 * 2**30), dtype=torch.uint8, device="cuda")  # leave 12 GiB: < the weights
     try:
         started = time.perf_counter()
@@ -386,17 +422,17 @@ def table(results: dict) -> str:
                      f"roofline {roof:.0f}; goals 90% / 80%"))
         busiest = max(b["client"]["busiest_worker_core_share"] for b in bursts)
         rows.append(("burst: the load generator's CPU", "-",
-                     f"{bursts[0]['client']['processes']} processes, "
-                     f"{max(b['client']['cores_busy'] for b in bursts):.2f} cores busy, busiest worker "
-                     f"{busiest:.0%} of a core", "busiest well under 100%"))
+                     (f"{bursts[0]['client']['processes']} processes, "
+                      f"{max(b['client']['cores_busy'] for b in bursts):.2f} cores busy, busiest worker "
+                      f"{busiest:.0%} of a core"), "busiest well under 100%"))
         for share, s in srv["sustained"].items():
             rows.append((f"Poisson {share} ({s['rate_req_s']:.1f} req/s)", "-",
-                         f"TTFT {s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms, TPOT {s['tpot_p50_ms']:.1f}/"
-                         f"{s['tpot_p99_ms']:.1f} ms (p50/p99), failed {s['failed']} of {s['requests']}", "0 failed"))
+                         (f"TTFT {s['ttft_p50_ms']:.0f}/{s['ttft_p99_ms']:.0f} ms, TPOT {s['tpot_p50_ms']:.1f}/"
+                          f"{s['tpot_p99_ms']:.1f} ms (p50/p99), failed {s['failed']} of {s['requests']}"), "0 failed"))
         m = srv["memory"]
         rows.append(("memory", f"plan {gib(off.get('plan_bytes'))}",
-                     f"plan {gib(m['planned_bytes'])}, torch peak {gib(m['torch_peak_reserved_bytes'])} <= cap "
-                     f"{gib(m['torch_cap_bytes'])}: {m['peak_within_plan']}; process {gib(m['process_gpu_bytes'])}",
+                     (f"plan {gib(m['planned_bytes'])}, torch peak {gib(m['torch_peak_reserved_bytes'])} <= cap "
+                      f"{gib(m['torch_cap_bytes'])}: {m['peak_within_plan']}; process {gib(m['process_gpu_bytes'])}"),
                      "peak within plan"))
     for key in ("neighbour", "hog", "pair"):
         if key in results:
@@ -464,7 +500,7 @@ def main() -> int:
         write_model_dir(args.model_dir, args.arch, "cuda" if cuda else "cpu")
         log(f"wrote {args.arch} to {args.model_dir} in {time.perf_counter() - started:.1f} s")
     server = None
-    save = lambda: (args.out / "gpu_serve.json").write_text(json.dumps(results, indent=2, default=str))  # noqa: E731
+    save = lambda: (args.out / "gpu_serve.json").write_text(json.dumps(results, indent=2, default=str))
     try:
         if "offline" in phases:
             offline(args.model_dir, args, results)

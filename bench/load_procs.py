@@ -93,18 +93,25 @@ def burst(url: str, bodies: list[dict], processes: int = 4, timeout_s: float = 9
     return _run(url, [(0.0, b) for b in bodies], processes, timeout_s)
 
 
+def arrivals(rate: float, seconds: float, seed: int = 0, limit: int | None = None) -> list[float]:
+    """The seconds (from the start) at which ``poisson`` sends, for these arguments: a caller makes
+    exactly ``len(arrivals(...))`` bodies, not a margin of 720p JPEGs that are never sent."""
+    import random
+
+    rng = random.Random(seed)
+    out, t = [], rng.expovariate(rate)
+    while t < seconds and (limit is None or len(out) < limit):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
 def poisson(url: str, bodies: list[dict], rate: float, seconds: float, processes: int = 4, seed: int = 0,
             timeout_s: float = 900) -> Run:
     """Open-loop Poisson arrivals at ``rate`` per second for ``seconds`` (as many bodies as arrive
     are used), spread over ``processes`` processes."""
-    import random
-
-    rng = random.Random(seed)
-    arrivals, t = [], rng.expovariate(rate)
-    while t < seconds and len(arrivals) < len(bodies):
-        arrivals.append(t)
-        t += rng.expovariate(rate)
-    return _run(url, list(zip(arrivals, bodies)), processes, timeout_s + seconds)
+    times = arrivals(rate, seconds, seed, limit=len(bodies))
+    return _run(url, list(zip(times, bodies)), processes, timeout_s + seconds)
 
 
 def describe(client: dict) -> str:

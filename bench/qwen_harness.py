@@ -3,13 +3,21 @@
 On a random-weight directory of the family's real shape (its config, processor, vocabulary;
 ``fovea.testing.random_qwen2_5_vl`` / ``random_qwen3_vl``), in one run:
 
+- offline: the serve section's requests (the same bodies: warm-up, ``--runs`` bursts, seven
+  one-image requests) through the engine in this process, no HTTP, with the engine settings
+  ``fovea serve --max-model-len`` gets; the prompts are made before the clock starts. Runs
+  first and gives its GPU memory back before any server starts; the serve rows then read as a
+  share of it (goals: burst tokens/s >= 95% of offline, one-image TTFT <= offline + 2 ms).
 - serve: ``fovea serve`` on the directory with the grounding canary, the seconds to a ready
   /health (and the server's own account of them: its "start-up:" log line), then bursts of
   ``--burst`` concurrent streamed requests, each with ``--images`` distinct photo-like JPEGs of
   ``--burst-size`` (1280x720 by default) and 64 words, 128 tokens with ``ignore_eos``, sent by
   a load generator in processes of its own (``load_procs``); tokens/s, TTFT and TPOT p50/p99 and
-  the failed-request count beside them. ``--topologies agg,e_pd`` repeats it split into encode
-  workers.
+  the failed-request count beside them. Then one request at a time with one image (TTFT), and
+  Poisson arrivals of the burst's requests at ``--loads`` shares of the rate the median burst
+  sustained, ``--sustain-seconds`` each (TTFT and TPOT p50/p99, failed of sent), and the memory
+  plan from /health with torch's peak beside it. ``--topologies agg,e_pd`` repeats it split
+  into encode workers.
 - vision: the vision stage the engine chooses (``--vision-stage``), ms per image at 336x336,
   1280x720 and 1920x1080, batch 1 and 8, beside transformers' ``get_image_features`` on the same
   pixels in the same process and the compute floor (its matrix FLOPs at the measured bf16
@@ -18,8 +26,9 @@ On a random-weight directory of the family's real shape (its config, processor, 
   own forward and ``generate`` on one request.
 
 Ceilings (copy bandwidth, bf16 matrix rate) are measured first. The last lines are a table;
-everything is also in $OUT/<family>.json. Exit status 1 when a request failed, the engine
-disagreed with transformers or the server did not start (goals missed are figures, not failures).
+everything is also in $OUT/<family>.json. Exit status 1 when a request failed (offline, in a
+burst, alone or under a Poisson load), torch's peak passed the plan, the engine disagreed with
+transformers or the server did not start (goals missed are figures, not failures).
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import load_procs
 import serve_load as load
 from gpu_llava7b import ceilings, log, time_cuda
-from gpu_serve import Server
+from gpu_serve import Server, body_prompt, engine_burst, gib, memory_summary, release_gpu, sustained
 
 SIZES = ((336, 336), (1280, 720), (1920, 1080))
 CUDA = torch.cuda.is_available()  # without a GPU (``--arch tiny``): a smoke run, no floors
@@ -66,6 +75,7 @@ def timed(fn: Callable[[], object], reps: int, warmup: int) -> float:
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 MAX_TOKENS = 128
+SINGLE_COUNT = 7  # one-image requests timed one at a time
 
 
 @dataclass(frozen=True)
@@ -128,13 +138,82 @@ def engine_split(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {key: round(after[key] - before.get(key, 0.0), 3) for key in after}
 
 
-def single_ttft(url: str, name: str, args, words: Callable[[int], str], count: int = 7) -> dict:
+# Request bodies by their key (burst_bodies); seeds kept apart so that no two requests share an image.
+_BODIES: dict[tuple, list[dict]] = {}
+WARM_SEED, SINGLE_SEED, POISSON_SEED = 10_000, 900_000, 1_000_000  # bursts: 100,000 x (run + 1) on
+
+
+def burst_bodies(name: str, first: int, count: int, args, words: Callable[[int], str],
+                 max_tokens: int = MAX_TOKENS, keep: bool = True) -> list[dict]:
+    """``count`` requests of ``args.images`` images of ``--burst-size`` and 64 words, seeds from
+    ``first``. ``keep``: made once, so the offline section and the server get the same requests."""
+    key = (name, first, count, max_tokens, args.images, args.burst_size)
+    if key in _BODIES:
+        return _BODIES[key]
+    bodies = load_procs.chat_bodies([(name, first + i, words(first + i), max_tokens, args.images, args.burst_size)
+                                     for i in range(count)])
+    if keep:
+        _BODIES[key] = bodies
+    return bodies
+
+
+def single_bodies(name: str, args, words: Callable[[int], str], count: int) -> list[dict]:
+    """One image of ``--burst-size`` and 16 tokens each: the one-request TTFT's requests (the first warms)."""
+    return [load.chat_body(name, SINGLE_SEED + i, words(i), 16, images=1, size=args.burst_size)
+            for i in range(count + 1)]
+
+
+def single_ttft(url: str, name: str, args, words: Callable[[int], str], count: int = SINGLE_COUNT) -> dict:
     """One request at a time, one image of ``--burst-size``, 16 tokens: TTFT median and spread."""
-    bodies = [load.chat_body(name, 900_000 + i, words(i), 16, images=1, size=args.burst_size) for i in range(count + 1)]
-    results = asyncio.run(load.sequential(url, bodies))[1:]  # the first warms this client's connection
+    results = asyncio.run(load.sequential(url, single_bodies(name, args, words, count)))[1:]  # the first warms
+    return ttft_summary(results)
+
+
+def ttft_summary(results: list[load.Result]) -> dict:
     ttfts = sorted(1e3 * r.ttft_s for r in results if r.ok)
     return {"ttft_ms_p50": ttfts[len(ttfts) // 2] if ttfts else None, "ttft_ms": ttfts,
             "failed": sum(not r.ok for r in results), "of": len(results)}
+
+
+def offline_section(model_dir: Path, args, words: Callable[[int], str]) -> dict:
+    """The serve section's requests through the engine in this process, no HTTP: the same warm-up,
+    bursts (the same bodies, made into prompts before the clock starts) and one-image requests,
+    with the engine settings `fovea serve --max-model-len` gets (``--server-args`` are not
+    mirrored). The model and the engine are gone, and the allocator's cap lifted, on return."""
+    from fovea.config import ServerSettings, engine_config
+    from fovea.engine import PagedEngine
+    from fovea.engine.sampling.params import SamplingParams
+    from fovea.loading.loader import load_model
+
+    started = time.perf_counter()
+    loaded = load_model(model_dir, "cuda" if CUDA else "cpu", "auto")
+    engine = PagedEngine(loaded, engine_config(ServerSettings(max_model_len=args.max_model_len)))
+    result: dict = {"load_s": time.perf_counter() - started}
+    name = model_dir.name  # the server's default model name: the same bodies, shared
+    params = lambda tokens: SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    prompts = lambda bodies: [body_prompt(loaded, b) for b in bodies]
+    engine.start()
+    try:
+        engine_burst(engine, prompts(burst_bodies(name, WARM_SEED, 4, args, words, max_tokens=8)), params(8))
+        runs = []
+        for run in range(args.runs):
+            batch = prompts(burst_bodies(name, 100_000 * (run + 1), args.burst, args, words))
+            sent, wall = engine_burst(engine, batch, params(MAX_TOKENS))
+            runs.append(load.summarize(sent, wall))
+            log(f"offline burst {run + 1}: {runs[-1].tok_s:.0f} tok/s, {runs[-1].failed} failed, TTFT p50 "
+                f"{runs[-1].ttft_p50_ms:.0f} p99 {runs[-1].ttft_p99_ms:.0f} ms, TPOT p50 {runs[-1].tpot_p50_ms:.1f} ms "
+                f"{runs[-1].errors}")
+        median = sorted(runs, key=lambda s: s.tok_s)[len(runs) // 2]
+        result["burst"] = {**median.__dict__, "tok_s": median.tok_s, "runs_tok_s": [s.tok_s for s in runs],
+                           "failed_total": sum(s.failed for s in runs)}
+        singles = [engine_burst(engine, [p], params(16))[0][0]
+                   for p in prompts(single_bodies(name, args, words, SINGLE_COUNT))][1:]
+        result["single"] = ttft_summary(singles)
+        log(f"offline one request, one {args.burst_size[0]}x{args.burst_size[1]} image: TTFT {result['single']}")
+        result["plan_bytes"] = engine.runner.memory_plan.planned_bytes
+    finally:
+        engine.stop()
+    return result
 
 
 def serve_section(model_dir: Path, args, out: Path, topology: str, words: Callable[[int], str]) -> dict:
@@ -151,14 +230,10 @@ def serve_section(model_dir: Path, args, out: Path, topology: str, words: Callab
         result["canary_ok"] = (health.get("canary") or {}).get("ok")
         log(f"{topology}: ready after {result['ready_s']:.1f} s; {result['startup_line']}")
         name = health["model"]
-        warm = [load.chat_body(name, 10_000 + i, words(i), 8, images=args.images, size=args.burst_size)
-                for i in range(4)]
-        load_procs.burst(server.url, warm, processes=2)
+        load_procs.burst(server.url, burst_bodies(name, WARM_SEED, 4, args, words, max_tokens=8), processes=2)
         runs, clients, splits = [], [], []
         for run in range(args.runs):
-            first = 100_000 * (run + 1)
-            bodies = load_procs.chat_bodies([(name, first + i, words(first + i), MAX_TOKENS, args.images,
-                                              args.burst_size) for i in range(args.burst)])
+            bodies = burst_bodies(name, 100_000 * (run + 1), args.burst, args, words)
             before = engine_counters(server.url)
             sent = load_procs.burst(server.url, bodies, processes=args.client_processes)
             split = engine_split(before, engine_counters(server.url))
@@ -175,7 +250,13 @@ def serve_section(model_dir: Path, args, out: Path, topology: str, words: Callab
                            "failed_total": sum(s.failed for s in runs), "clients": clients, "engine": splits}
         result["single"] = single_ttft(server.url, name, args, words)
         log(f"{topology} one request, one {args.burst_size[0]}x{args.burst_size[1]} image: TTFT {result['single']}")
-        result["memory"] = httpx.get(server.url + "/health", timeout=30).json().get("memory")
+        # Open-loop arrivals at shares of the rate the median burst sustained (its requests over its wall time).
+        capacity = median.requests / median.wall_s
+        result["capacity_req_s"] = capacity
+        result["sustained"] = sustained(
+            server.url, lambda first, n: burst_bodies(name, first, n, args, words, keep=False), capacity, args,
+            seed_base=POISSON_SEED)
+        result["memory"] = memory_summary(server)
     except Exception as exc:  # noqa: BLE001 - reported as a problem, the other sections still run
         result["error"] = f"{type(exc).__name__}: {exc}; log tail: {server.tail()}"
         log(f"{topology}: {result['error']}")
@@ -358,12 +439,24 @@ def parse_size(text: str) -> tuple[int, int]:
     return int(w), int(h)
 
 
+def ms(value: float | None) -> str:
+    return "none" if value is None else f"{value:.1f}"
+
+
+def print_table(rows: list[tuple]) -> None:
+    """Columns as wide as their widest cell: the first two left-aligned, the figures right-aligned."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
 def main(family: FamilyBench, doc: str) -> int:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
     parser.add_argument("--arch", default=family.default_arch, choices=sorted(family.random_dir.ARCHITECTURES))
     parser.add_argument("--model-dir", type=Path, default=None, help="default: /tmp/fovea-<arch>")
-    parser.add_argument("--sections", default="serve,vision,check")
+    parser.add_argument("--sections", default="offline,serve,vision,check",
+                        help="comma list of offline, serve, vision, check (offline runs first, then serve)")
     parser.add_argument("--topologies", default="agg", help="comma list of agg, e_pd")
     parser.add_argument("--encode-workers", type=int, default=2)
     parser.add_argument("--burst", type=int, default=64)
@@ -371,14 +464,21 @@ def main(family: FamilyBench, doc: str) -> int:
     parser.add_argument("--burst-size", type=parse_size, default=(1280, 720))
     parser.add_argument("--runs", type=int, default=3, help="bursts per topology (the median is reported)")
     parser.add_argument("--client-processes", type=int, default=4)
-    parser.add_argument("--max-model-len", type=int, default=16384)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: 16384, or the model's context where shorter (--arch tiny: 4096)")
     parser.add_argument("--server-args", default="", help="extra `fovea serve` flags")
+    parser.add_argument("--loads", default="0.5,0.8,1.0",
+                        help="serve: Poisson loads after the bursts, as shares of the median burst's request rate")
+    parser.add_argument("--sustain-seconds", type=float, default=30.0, help="seconds of arrivals per Poisson load")
     parser.add_argument("--warm-start", action="store_true",
                         help="start each server a second time (compiled kernels and tuning cache on disk)")
     parser.add_argument("--vision-stage", choices=("chosen", "eager"), default="chosen")
     parser.add_argument("--vision-reps", type=int, default=10)
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
+    args.loads = [float(x) for x in args.loads.split(",") if x]
+    if args.max_model_len is None:
+        args.max_model_len = min(16384, family.random_dir.ARCHITECTURES[args.arch].max_positions)
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_dir or Path(f"/tmp/fovea-{args.arch}")
     sections = set(args.sections.split(","))
@@ -402,6 +502,25 @@ def main(family: FamilyBench, doc: str) -> int:
     table: list[tuple] = []
     # Written after every section too: a run that meets its time limit keeps what it measured.
     save = lambda: (args.out / f"{family.name}.json").write_text(json.dumps(results, indent=2, default=str))
+    offline = None
+    if "offline" in sections:  # before the server starts: it needs the GPU memory this section held
+        try:
+            offline = results["offline"] = offline_section(model_dir, args, words)
+        except Exception as exc:  # noqa: BLE001 - reported as a problem, the other sections still run
+            problems.append(f"offline: {type(exc).__name__}: {exc}")
+            log(problems[-1])
+        release_gpu()
+        save()
+        if offline is not None:
+            b = offline["burst"]
+            if b["failed_total"] or offline["single"]["failed"]:
+                problems.append(f"offline: {b['failed_total'] + offline['single']['failed']} request(s) failed: "
+                                f"{b['errors']}")
+            table.append(("offline", f"{args.burst} req x {args.images} img tok/s",
+                          f"{b['tok_s']:.0f} ({b['failed_total']} failed)", "", ""))
+            table.append(("offline", "TTFT p50 / p99 ms", f"{b['ttft_p50_ms']:.0f} / {b['ttft_p99_ms']:.0f}", "", ""))
+            table.append(("offline", "TPOT p50 / p99 ms", f"{b['tpot_p50_ms']:.1f} / {b['tpot_p99_ms']:.1f}", "", ""))
+            table.append(("offline", "one request, one image: TTFT ms", ms(offline["single"]["ttft_ms_p50"]), "", ""))
     if "serve" in sections:
         results["serve"] = []
         for topology in args.topologies.split(","):
@@ -419,8 +538,11 @@ def main(family: FamilyBench, doc: str) -> int:
             if "warm_ready_s" in r:
                 table.append((f"serve {topology}", "start-up again (warm caches)", f"{r['warm_ready_s']:.1f} s",
                               "", "goal 30 s"))
+            share = f"offline {offline['burst']['tok_s']:.0f}: {b['tok_s'] / offline['burst']['tok_s']:.1%}" \
+                if offline else ""
             table.append((f"serve {topology}", f"{args.burst} req x {args.images} img tok/s",
-                          f"{b['tok_s']:.0f} ({b['failed_total']} failed)", "", ""))
+                          f"{b['tok_s']:.0f} ({b['failed_total']} failed)", share,
+                          "goal >= 95% of offline" if offline else ""))
             table.append((f"serve {topology}", "TTFT p50 / p99 ms", f"{b['ttft_p50_ms']:.0f} / {b['ttft_p99_ms']:.0f}",
                           "", ""))
             table.append((f"serve {topology}", "TPOT p50 / p99 ms", f"{b['tpot_p50_ms']:.1f} / {b['tpot_p99_ms']:.1f}",
@@ -428,8 +550,27 @@ def main(family: FamilyBench, doc: str) -> int:
             single = r["single"]
             if single["failed"]:
                 problems.append(f"{topology}: {single['failed']} of {single['of']} single requests failed")
-            ttft = f"{single['ttft_ms_p50']:.1f}" if single["ttft_ms_p50"] is not None else "none"
-            table.append((f"serve {topology}", "one request, one image: TTFT ms", ttft, "", "goal 40 ms"))
+            versus, goal = "", "goal 40 ms"
+            if offline and offline["single"]["ttft_ms_p50"] is not None and single["ttft_ms_p50"] is not None:
+                off = offline["single"]["ttft_ms_p50"]
+                versus, goal = f"offline {off:.1f}: {single['ttft_ms_p50'] - off:+.1f} ms", "<= offline + 2 ms, 40 ms"
+            table.append((f"serve {topology}", "one request, one image: TTFT ms", ms(single["ttft_ms_p50"]), versus,
+                          goal))
+            for load_name, p in r["sustained"].items():
+                if p["failed"]:
+                    problems.append(f"{topology} Poisson {load_name}: {p['failed']} of {p['requests']} request(s) "
+                                    f"failed: {p['errors']}")
+                table.append((f"serve {topology}", f"Poisson {load_name}: {p['rate_req_s']:.2f} req/s",
+                              f"TTFT {p['ttft_p50_ms']:.0f} / {p['ttft_p99_ms']:.0f} ms",
+                              f"TPOT {p['tpot_p50_ms']:.1f} / {p['tpot_p99_ms']:.1f} ms",
+                              f"{p['failed']} failed of {p['requests']}"))
+            m = r["memory"]
+            if m["peak_within_plan"] is False:
+                problems.append(f"{topology}: torch's peak reserved memory {gib(m['torch_peak_reserved_bytes'])} "
+                                f"passed the plan's cap {gib(m['torch_cap_bytes'])}")
+            held = f"{gib(m['planned_bytes'])} / {gib(m['torch_peak_reserved_bytes'])}"
+            table.append((f"serve {topology}", "memory: planned / torch peak", held,
+                          f"cap {gib(m['torch_cap_bytes'])}", f"within plan: {m['peak_within_plan']}"))
     if sections & {"vision", "check"}:
         from fovea.loading.loader import load_model
 
@@ -452,9 +593,7 @@ def main(family: FamilyBench, doc: str) -> int:
     results["problems"] = problems
     save()
     print(f"\n{family.name} ({args.arch}) on {results['gpu']}")
-    print(f"{'section':<22}{'metric':<34}{'fovea':>22}{'transformers':>14}{'floor/goal':>16}")
-    for r in table:
-        print(f"{r[0]:<22}{r[1]:<34}{r[2]:>22}{r[3]:>14}{r[4]:>16}")
+    print_table([("section", "metric", "fovea", "transformers / offline", "floor / goal"), *table])
     for problem in problems:
         print(f"PROBLEM: {problem}")
     return 1 if problems else 0
