@@ -200,15 +200,6 @@ def serve_measure(model_dir: Path, shape: str, fmt: str, args) -> dict:
     extra = ["--load-format", "dummy", "--served-model-name", name, *args.server_args.split()]
     if args.max_model_len:
         extra += ["--max-model-len", str(args.max_model_len)]
-    placeholder = model_dir / "model.safetensors.index.json"
-    made = bool(args.max_model_len) and not placeholder.exists()
-    if made:
-        # `fovea serve` fits the canary to --max-model-len before loading through load_codec, whose
-        # inspect_model_dir is not told of --load-format dummy and refuses a directory without
-        # weight files. An empty index gets past that check alone: dummy loading reads no weight file.
-        # Drop this once load_codec passes the load format on.
-        placeholder.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
-        log(f"{model_dir}: an empty weight index while the server starts (--max-model-len with --load-format dummy)")
     server = Server(model_dir, args.out, f"{shape}-{fmt}", *extra, device=args.device, canary=True)
     said = words(shape)
     r: dict = {"shape": shape, "format": fmt, "dir": str(model_dir), "max_model_len": args.max_model_len}
@@ -242,8 +233,6 @@ def serve_measure(model_dir: Path, shape: str, fmt: str, args) -> dict:
         log(f"{shape} {fmt}: {r['error']}")
     finally:
         server.stop()
-        if made:
-            placeholder.unlink(missing_ok=True)
     return r
 
 
