@@ -50,6 +50,8 @@ class PdWorker:
     asked_at: float = 0.0
     routed: int = 0  # requests sent to it, over all its restarts (the tie-break between idle workers)
     lifeline: int | None = None  # the pipe end whose closing kills it (parent_watch): held while it runs
+    waiting: int = 0  # its engine's waiting requests, as its /health last said (routing.py)
+    kv_free: float | None = None  # its KV cache's free share, likewise; None: not reported
 
     def release(self) -> None:
         """Close its lifeline, once its process has exited."""
