@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fovea.front.pd_fleet import PdWorker
+from fovea.front.pd_fleet import PdFleet, PdWorker
 from fovea.front.routing import AffinityTable, affinity_keys, choose, image_key, slack, take_health
 
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
@@ -165,6 +165,20 @@ def test_misses_and_requests_without_images_go_to_the_least_loaded_ties_to_the_f
     assert choose([], (b"x",), table) == (None, "miss") and choose([], (), table) == (None, "none")
 
 
+def test_the_fleet_chooses_among_ready_workers_not_yet_tried():
+    fleet = PdFleet(3, [], [], "internal", b"key")
+    for w in fleet.workers:
+        w.state = "ready"
+    fleet.workers[2].state = "dead"
+    table = AffinityTable()
+    table.record([b"x"], 2)
+    assert fleet.choose(set(), (b"x",), table) == (fleet.workers[0], "miss")  # its holder is dead
+    table.record([b"x"], 1)
+    assert fleet.choose(set(), (b"x",), table) == (fleet.workers[1], "hit")
+    assert fleet.choose({1}, (b"x",), table) == (fleet.workers[0], "miss")  # retried elsewhere
+    assert fleet.choose({0, 1}, (b"x",), table) == (None, "miss")
+
+
 def test_a_restarted_worker_loses_its_entries():
     table = AffinityTable()
     table.record([b"a", b"b"], 0)
@@ -173,6 +187,81 @@ def test_a_restarted_worker_loses_its_entries():
     assert table.holders([b"a", b"b", b"c"]) == {1: 1}
     ws = workers(0, 5)
     assert choose(ws, (b"a",), table) == (ws[0], "miss")
+
+
+def test_the_front_app_chains_the_restart_hook_and_shows_the_load_it_routes_by():
+    from starlette.testclient import TestClient
+
+    from fovea.config import ServerSettings
+    from fovea.front.app import create_front_app
+    from fovea.front.encoders import EncodeFleet
+
+    encoders = EncodeFleet(1, b"key", ())  # never started; no lifespan: no child starts
+    fleet = PdFleet(2, [], encoders.sockets, "internal", b"key")
+    try:
+        app = create_front_app(ServerSettings(topology="e_pd", pd_workers=2), fleet, encoders)
+        table = app.state.proxy.affinity
+        table.record([b"a", b"b"], 1)
+        table.record([b"c"], 0)
+        fleet.on_restart(fleet.workers[1])
+        assert table.holders([b"a", b"b", b"c"]) == {0: 1}
+        fleet.workers[0].in_flight, fleet.workers[0].waiting, fleet.workers[0].kv_free = 3, 2, 0.25
+        text = TestClient(app).get("/metrics").text
+    finally:
+        encoders.stop()
+    assert 'fovea_front_pd_worker_restarts_total{pd_worker="1"} 1.0' in text  # the hook it chained to still counts
+    assert 'fovea_front_pd_in_flight{pd_worker="0"} 3.0' in text and 'fovea_front_pd_waiting{pd_worker="0"} 2.0' in text
+    assert 'fovea_front_pd_kv_free_share{pd_worker="0"} 0.25' in text
+    assert 'fovea_front_pd_kv_free_share{pd_worker="1"}' not in text  # not reported: no series
+    assert all(f'fovea_front_affinity_total{{outcome="{o}"}} 0.0' in text for o in ("hit", "overloaded", "miss", "none"))
+
+
+def test_the_proxy_routes_by_affinity_records_where_it_sent_and_retries_an_unreachable_worker():
+    import httpx
+    from starlette.testclient import TestClient
+
+    from fovea.config import ServerSettings
+    from fovea.front.app import create_front_app
+    from fovea.front.encoders import EncodeFleet
+
+    encoders = EncodeFleet(1, b"key", ())
+    fleet = PdFleet(2, [], encoders.sockets, "internal", b"key")
+    for index, worker in enumerate(fleet.workers):
+        worker.state, worker.port = "ready", 41_000 + index
+    down: set[int] = set()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.port in down:
+            raise httpx.ConnectError("refused", request=request)
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="")
+        return httpx.Response(200, json={"port": request.url.port})
+
+    try:
+        app = create_front_app(ServerSettings(topology="e_pd", pd_workers=2), fleet, encoders)
+        proxy = app.state.proxy
+        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))  # no lifespan: set here
+        client = TestClient(app)
+
+        def send(payload: bytes) -> str:
+            reply = client.post("/v1/chat/completions", content=payload, headers={"content-type": "application/json"})
+            assert reply.status_code == 200, reply.text
+            return reply.headers["x-fovea-pd-worker"]
+
+        fleet.workers[0].routed = 1  # so a miss goes to worker 1
+        assert [send(chat(PNG)) for _ in range(3)] == ["1", "1", "1"]  # a miss, then hits
+        assert send(chat(OTHER)) == "0"  # another image: the least routed
+        assert proxy.affinity.holders(affinity_keys(chat(PNG))) == {1: 1}
+        down.add(41_001)  # its holder cannot be reached: sent to the other, which holds it from then on
+        assert send(chat(PNG)) == "0" and fleet.workers[1].state == "dead"
+        assert proxy.affinity.holders(affinity_keys(chat(PNG))) == {0: 1}
+        assert [w.in_flight for w in fleet.workers] == [0, 0]
+        text = client.get("/metrics").text
+    finally:
+        encoders.stop()
+    counts = {o: f'fovea_front_affinity_total{{outcome="{o}"}}' for o in ("hit", "miss", "overloaded", "none")}
+    assert f'{counts["hit"]} 2.0' in text and f'{counts["miss"]} 3.0' in text  # the retry counted once, as a miss
+    assert f'{counts["overloaded"]} 0.0' in text and f'{counts["none"]} 0.0' in text
 
 
 # ---- what a worker's /health says ---------------------------------------------------------
