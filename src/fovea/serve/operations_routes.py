@@ -103,7 +103,7 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
 
 def kv_free_share(engine) -> float | None:
     """The KV cache's free share (free blocks include cached ones that may be evicted), which a
-    front routes by; None with the engine core in its own process (its stats do not carry it)."""
+    front routes by; None from an engine core in its own process until its first stats."""
     blocks = engine.block_manager
     free = getattr(blocks, "num_free", None)
     return None if free is None else round(free / blocks.num_blocks, 4)
