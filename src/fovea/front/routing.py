@@ -132,7 +132,7 @@ def slack(least: int) -> int:
 def overloaded(holder: PdWorker, least: PdWorker) -> bool:
     if load(holder) > load(least) + slack(load(least)):
         return True
-    # KV free share: None when the worker does not report it (its engine core in another process).
+    # KV free share: None when the worker has not reported it (yet).
     return (holder.kv_free is not None and least.kv_free is not None
             and holder.kv_free < KV_FLOOR and least.kv_free > holder.kv_free)
 
