@@ -168,9 +168,18 @@ def test_an_image_uploaded_through_the_front_serves_requests_on_either_worker(fr
 
     deleted = httpx.delete(f"{front.base}/v1/images/{image_id}", headers=AUTH, timeout=30)
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True
-    gone = asyncio.run(post_all(front.base, [chat(image_id) for _ in range(4)]))
-    assert {r.headers[WORKER] for r in gone} == {"0", "1"}  # deleted on both
-    assert all(r.status_code == 404 and r.json()["error"]["code"] == "image_not_found" for r in gone)
+    gone = httpx.post(front.base + "/v1/chat/completions", json=chat(image_id), headers=AUTH, timeout=30)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "image_not_found", gone.text
+    # Deleted on both. A chat request with the id follows it to one worker (affinity); a GET of it
+    # carries no image, so it goes to the least-loaded worker, then the one sent fewest: each, in turn.
+    looked: list[httpx.Response] = []
+
+    def both_looked() -> bool:
+        looked.append(httpx.get(f"{front.base}/v1/images/{image_id}", headers=AUTH, timeout=30))
+        return {r.headers[WORKER] for r in looked} == {"0", "1"}
+
+    wait_for("a GET of the image did not reach both workers", both_looked, timeout=60)
+    assert all(r.status_code == 404 and r.json()["error"]["code"] == "image_not_found" for r in looked)
 
 
 def test_the_front_loads_no_model(front):
@@ -229,6 +238,36 @@ def test_stored_responses_are_found_on_the_worker_that_holds_them(front):
         streamed = http.post("/v1/responses", json={**body, "stream": True, "store": False})
         kinds = [line[7:] for line in streamed.text.splitlines() if line.startswith("event: ")]
         assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+
+
+def test_the_same_image_stays_on_one_worker_and_distinct_images_use_both(front):
+    before = metrics(front)
+    url = data_url(scenes.render(fresh_scene(81_700)))
+    with httpx.Client(base_url=front.base, headers=AUTH, timeout=120) as http:
+        served = []
+        for _ in range(6):  # one after another: the worker that has it cached is never busier than 2 above
+            reply = http.post("/v1/chat/completions", json=chat(url, max_tokens=8))
+            assert reply.status_code == 200, reply.text
+            served.append(reply.headers[WORKER])
+    assert len(set(served)) == 1, served
+    distinct = [scenes.render(fresh_scene(81_800 + i)) for i in range(8)]
+    replies = asyncio.run(post_all(front.base, [chat(image, max_tokens=8) for image in distinct]))
+    assert [r.status_code for r in replies] == [200] * 8, [r.text for r in replies if r.status_code != 200][:2]
+    assert {r.headers[WORKER] for r in replies} == {"0", "1"}, [r.headers[WORKER] for r in replies]
+    after = metrics(front)
+
+    def outcome(name: str) -> float:
+        return (metric(after, "fovea_front_affinity_total", outcome=name)
+                - metric(before, "fovea_front_affinity_total", outcome=name))
+
+    # The first of the six and the eight distinct ones: no worker held them; the other five: hits.
+    assert (outcome("hit"), outcome("miss"), outcome("overloaded")) == (5, 9, 0)
+    body = health(front)
+    for worker in body["pd_workers"]:
+        index, share = str(worker["index"]), worker["health"]["kv_free_share"]
+        assert 0 < share <= 1 and worker["health"]["queue_depth"] == 0  # what the front routes by
+        assert metric(after, "fovea_front_pd_in_flight", pd_worker=index) == 0
+        assert 0 < metric(after, "fovea_front_pd_kv_free_share", pd_worker=index) <= 1
 
 
 # ---- faults ---------------------------------------------------------------------------------
@@ -302,7 +341,10 @@ def test_a_killed_pd_worker_fails_only_its_requests_and_rejoins(front, demo_mode
     assert body["pd_workers"][int(victim)]["pid"] != next(w["pid"] for w in before if str(w["index"]) == victim)
     # It serves again, and it was given the image uploaded before it died.
     fresh = [scenes.render(fresh_scene(82_200 + i)) for i in range(6)]
-    again = asyncio.run(post_all(front.base, [chat(im) for im in fresh] + [chat(image_id) for _ in range(4)]))
+    # Two bursts: the uploaded image's requests alone, so that its worker by affinity (three at
+    # most above the other's load) passes the fourth to the other worker, whichever it is.
+    again = asyncio.run(post_all(front.base, [chat(im) for im in fresh]))
+    again += asyncio.run(post_all(front.base, [chat(image_id) for _ in range(4)]))
     assert [r.status_code for r in again] == [200] * 10, [r.text for r in again if r.status_code != 200][:2]
     assert [content(r) for r in again] == agg_texts(demo_model, fresh) + agg_texts(demo_model, [image]) * 4
     assert victim in {r.headers[WORKER] for r in again[:6]} and victim in {r.headers[WORKER] for r in again[6:]}

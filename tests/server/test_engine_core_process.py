@@ -143,6 +143,12 @@ def test_health_reports_the_cores_memory_plan(core_server):
     assert health["status"] == "ok"
     assert {line["name"] for line in health["memory"]["lines"]} >= {"weights", "kv_cache"}
     assert health["startup"] is None or "load weights" in health["startup"]["phases"]
+    # The KV cache's free share, from the core's stats (every 0.25 s): none before the first.
+    deadline = time.monotonic() + 10
+    while health["kv_free_share"] is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+        health = httpx.get(core_server.base_url + "/health", timeout=30).json()
+    assert 0 < health["kv_free_share"] <= 1, health["kv_free_share"]
 
 
 def test_a_full_queue_in_the_core_is_a_429_before_the_stream():

@@ -35,7 +35,9 @@ def metric(base: str, name: str) -> float:
 
 def test_health_shows_the_memory_plan(server):
     live, engine = server
-    memory = httpx.get(live.base_url + "/health").json()["memory"]
+    health = httpx.get(live.base_url + "/health").json()
+    memory = health["memory"]
+    assert 0 < health["kv_free_share"] <= 1  # what a front routes by
     names = [line["name"] for line in memory["lines"]]
     assert names[:2] == ["weights", "kv_cache"] and "encoder cache" in names
     assert memory["kv_cache"]["blocks"] == engine.block_manager.num_blocks

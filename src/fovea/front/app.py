@@ -49,6 +49,13 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
     metrics = FrontMetrics()
     proxy = Proxy(fleet, metrics, UploadRecord(settings.media.store_max_bytes, settings.media.store_ttl_s))
     fleet.on_restart = lambda worker: metrics.pd_restarts.labels(pd_worker=str(worker.index)).inc()
+    previous = fleet.on_restart  # chained, not replaced
+
+    def on_restart(worker: PdWorker) -> None:
+        previous(worker)
+        proxy.affinity.forget(worker.index)  # its caches start empty: it holds no image any more
+
+    fleet.on_restart = on_restart
 
     async def watch_encoders() -> None:
         while True:
@@ -71,6 +78,7 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
             await asyncio.to_thread(encoders.stop)
 
     app = FastAPI(title="fovea", version=__version__, lifespan=lifespan, redirect_slashes=False)
+    app.state.proxy = proxy
     install_error_handlers(app)
     app.add_middleware(RequestGate, api_key=settings.api_key,
                        count=lambda route, status: metrics.requests.labels(route=route, status=str(status)).inc())
@@ -122,6 +130,7 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
                  if isinstance(r, httpx.Response) and r.status_code == 200}
         metrics.pd_ready.set(len(ready))
         metrics.encode_ready.set(sum(e["state"] == "ready" for e in encoders.status()))
+        metrics.observe_pd_workers(fleet.workers)
         body = metrics.render() + merge(texts)  # bytes
         if request.method == "HEAD":  # GET's status and headers, no body
             return Response(headers={"content-length": str(len(body))}, media_type=CONTENT_TYPE_LATEST)

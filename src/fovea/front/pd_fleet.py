@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import httpx
 
 from fovea.disagg.parent_watch import PARENT_FD_ENV, lifeline
+from fovea.front import routing
 from fovea.front.children import free_port, pd_worker_command, pd_worker_env
 from fovea.front.encoders import backoff_s
 
@@ -50,6 +51,8 @@ class PdWorker:
     asked_at: float = 0.0
     routed: int = 0  # requests sent to it, over all its restarts (the tie-break between idle workers)
     lifeline: int | None = None  # the pipe end whose closing kills it (parent_watch): held while it runs
+    waiting: int = 0  # its engine's waiting requests, as its /health last said (routing.py)
+    kv_free: float | None = None  # its KV cache's free share, likewise; None: not reported
 
     def release(self) -> None:
         """Close its lifeline, once its process has exited."""
@@ -107,10 +110,11 @@ class PdFleet:
     def ready(self) -> list[PdWorker]:
         return [w for w in self.workers if w.state == "ready"]
 
-    def choose(self, exclude: set[int] = frozenset()) -> PdWorker | None:  # type: ignore[assignment]
-        """The ready worker with the fewest requests in flight (then the fewest sent so far)."""
-        candidates = [w for w in self.ready() if w.index not in exclude]
-        return min(candidates, key=lambda w: (w.in_flight, w.routed)) if candidates else None
+    def choose(self, exclude: set[int] = frozenset(), keys: tuple[bytes, ...] = (),  # type: ignore[assignment]
+               affinity: routing.AffinityTable | None = None) -> tuple[PdWorker | None, str]:
+        """The ready worker not in ``exclude`` that the request goes to, by load and by the
+        affinity of its image ``keys`` (routing.py), and the affinity outcome."""
+        return routing.choose([w for w in self.ready() if w.index not in exclude], keys, affinity)
 
     def suspect(self, worker: PdWorker) -> bool:
         """After a connection failed: mark it dead now if its process is gone (no request
@@ -128,11 +132,13 @@ class PdFleet:
 
     # ---- supervision ----------------------------------------------------------------------
     async def probe(self, client: httpx.AsyncClient, worker: PdWorker) -> bool:
-        """Whether its /health answers (any status: a --strict worker answers 503 while degraded)."""
+        """Whether its /health answers (any status: a --strict worker answers 503 while degraded);
+        what it says of its engine's load is kept for routing."""
         try:
-            await client.get(worker.url + "/health", headers=self.headers, timeout=PROBE_TIMEOUT_S)
+            reply = await client.get(worker.url + "/health", headers=self.headers, timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError:
             return False
+        routing.take_health(worker, reply.content)
         return True
 
     async def watch(self, client: httpx.AsyncClient, on_join: Callable[[PdWorker], Awaitable[None]]) -> None:

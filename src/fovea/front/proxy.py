@@ -1,11 +1,12 @@
 """The front's proxying: one request to one PD worker, or an image upload to all of them.
 
-A request goes to the ready worker with the fewest requests in flight, and its response comes
-back unchanged: a JSON body once read whole, a server-sent stream event by event. If the
-worker cannot be reached at all the request has not started, so it is sent to another. If the
-worker dies while it holds the request, the client gets 503 ``pd_worker_lost``; a stream that
-has begun ends instead with that error as an event, then ``data: [DONE]``, and no chunk with a
-finish_reason (as the server itself ends a stream that fails).
+A request goes to a ready worker chosen by load and by the affinity of its images (routing.py),
+and its response comes back unchanged: a JSON body once read whole, a server-sent stream event
+by event. If the worker cannot be reached at all the request has not started, so it is sent to
+another. If the worker dies while it holds the request, the client gets 503
+``pd_worker_lost``; a stream that has begun ends instead with that error as an event, then
+``data: [DONE]``, and no chunk with a finish_reason (as the server itself ends a stream that
+fails).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fovea.errors import FoveaError
 from fovea.front.children import WORKER_HEADER
 from fovea.front.metrics import FrontMetrics
 from fovea.front.pd_fleet import PdFleet, PdWorker
+from fovea.front.routing import AffinityTable, affinity_keys
 from fovea.front.uploads import Upload, UploadRecord, sync
 
 log = logging.getLogger("fovea.front")
@@ -76,6 +78,7 @@ class RelayResponse(StreamingResponse):
 class Proxy:
     def __init__(self, fleet: PdFleet, metrics: FrontMetrics, record: UploadRecord) -> None:
         self.fleet, self.metrics, self.record = fleet, metrics, record
+        self.affinity = AffinityTable()
         self.client: httpx.AsyncClient | None = None
 
     async def open(self) -> None:
@@ -88,13 +91,16 @@ class Proxy:
 
     # ---- one worker -------------------------------------------------------------------------
     async def one(self, request: Request, prefer: PdWorker | None = None) -> Response:
-        """To ``prefer`` if it is ready, else the least-loaded ready worker; to the next one if
-        it cannot be reached."""
+        """To ``prefer`` if it is ready, else the worker the routing rule picks (routing.py); to
+        the next one if it cannot be reached."""
         body, route = await request.body(), _route(request)
+        keys = affinity_keys(body)
         tried: set[int] = set()
         while True:
-            worker = prefer if prefer is not None and prefer.state == "ready" and not tried else \
-                self.fleet.choose(tried)
+            if prefer is not None and prefer.state == "ready" and not tried:
+                worker, outcome = prefer, None  # a stored response's holder: not an affinity choice
+            else:
+                worker, outcome = self.fleet.choose(tried, keys, self.affinity)
             if worker is None:
                 raise PdUnavailable("no prefill/decode worker is ready to take the request"
                                     + (f" ({len(tried)} could not be reached)" if tried else "")
@@ -102,6 +108,8 @@ class Proxy:
             tried.add(worker.index)
             worker.in_flight += 1
             worker.routed += 1
+            # Now, not once it answers: the same image's next requests follow it while it runs.
+            self.affinity.record(keys, worker.index)
             try:
                 upstream = await self._send(worker, request.method, _target(request), body,
                                             self._headers(request.headers.raw), stream=True)
@@ -111,7 +119,9 @@ class Proxy:
                 continue  # it never got the request
             except httpx.TransportError as exc:
                 worker.in_flight -= 1
+                self._count(outcome)
                 return self._failed(worker, route, exc)
+            self._count(outcome)
             self.metrics.routed.labels(pd_worker=str(worker.index), route=route,
                                        status=str(upstream.status_code)).inc()
             if upstream.headers.get("content-type", "").startswith("text/event-stream"):
@@ -124,6 +134,11 @@ class Proxy:
             finally:
                 await self._finish(worker, upstream)
             return _buffered(upstream.status_code, content, _response_headers(upstream, worker))
+
+    def _count(self, outcome: str | None) -> None:
+        """A request's affinity outcome, once it has reached a worker."""
+        if outcome is not None:
+            self.metrics.affinity.labels(outcome=outcome).inc()
 
     async def _finish(self, worker: PdWorker, upstream: httpx.Response) -> None:
         worker.in_flight -= 1
@@ -175,7 +190,7 @@ class Proxy:
     # ---- stored responses (/v1/responses) ---------------------------------------------------
     async def responses(self, request: Request) -> Response:
         """A response that continues a stored one goes to the worker that stores it (which then
-        stores the new one too, if asked); any other to the least-loaded worker."""
+        stores the new one too, if asked); any other as the routing rule says."""
         previous = _previous_response_id(await request.body())
         holder = await self._holder(request, previous) if previous else None
         return await self.one(request, prefer=holder)

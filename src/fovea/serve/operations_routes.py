@@ -46,6 +46,7 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
             "recipe_fingerprint": contract.recipe_fingerprint,
             "processor_override": contract.processor_override,
             "queue_depth": engine.queue_depth,
+            "kv_free_share": kv_free_share(engine),
             "memory": engine.memory_report(),
             "startup": STARTUP.report() if STARTUP.ready_after is not None else None,
             "canary": None if last is None else {
@@ -98,3 +99,11 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
         return model_card()
 
     return router
+
+
+def kv_free_share(engine) -> float | None:
+    """The KV cache's free share (free blocks include cached ones that may be evicted), which a
+    front routes by; None from an engine core in its own process until its first stats."""
+    blocks = engine.block_manager
+    free = getattr(blocks, "num_free", None)
+    return None if free is None else round(free / blocks.num_blocks, 4)

@@ -350,6 +350,7 @@ class EngineClient:
         self.oom_recoveries, self.steps = stats["oom_recoveries"], stats["steps"]
         self.phase_seconds = stats["phase_seconds"]
         self.memory_now = stats["memory_now"]
+        self.block_manager.num_free = stats["kv_free_blocks"]
         for seconds in stats["vision_s"]:
             self.on_vision_seconds(seconds)
         for seconds, images in stats["handoff"]:

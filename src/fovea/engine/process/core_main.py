@@ -231,7 +231,8 @@ class CoreServer:
             stats = {"queue_depth": engine.queue_depth, "cache_hits": engine.encoder_cache.hits,
                      "cache_misses": engine.encoder_cache.misses, "oom_recoveries": engine.oom_recoveries,
                      "steps": engine.steps, "phase_seconds": dict(engine.phase_seconds), "vision_s": vision,
-                     "handoff": handoff, "memory_now": engine.memory_now()}
+                     "handoff": handoff, "memory_now": engine.memory_now(),
+                     "kv_free_blocks": engine.block_manager.num_free}  # for /health's kv_free_share
             if self.pool is not None:  # e_pd: the encode workers, for /health
                 stats["encode_workers"] = {"status": self.pool.status(), "handoff": self.pool.handoff_summary()}
             for peer in self.peers:
