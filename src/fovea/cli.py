@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from fovea.cli_types import byte_size, fraction, port, positive_int
+from fovea.cli_types import byte_size, fraction, json_object, port, positive_int
 from fovea.errors import FoveaError
 from fovea.logs import FORMATS, LEVELS
 
@@ -95,12 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="e_pd: the encode workers' device, e.g. cuda:1 while --device is cuda:0 (default: "
                             "--device); the rows cross through pinned host memory, checksummed")
     serve.add_argument("--ray-address", default=None,
-                       help="e_pd: run the encode workers as actors on this Ray cluster (host:port, or 'local' "
-                            "to start one here); default: processes on this machine")
+                       help="run the encode workers (e_pd), and with --pd-workers the PD workers too, as actors "
+                            "on this Ray cluster (host:port, 'auto' for this machine's cluster, or 'local' to "
+                            "start one here); default: processes on this machine (docs/operations.md)")
     serve.add_argument("--pd-workers", type=positive_int, default=None,
-                       help="e_pd: prefill/decode worker processes, each with its own engine; this process then "
-                            "loads no model and is their front: it routes requests to them and runs the encode "
-                            "workers they share (docs/disaggregation.md)")
+                       help="prefill/decode workers (agg: data-parallel replicas), each with its own engine; this "
+                            "process then loads no model and is their front: it routes requests to them and runs "
+                            "the encode workers they share (docs/disaggregation.md)")
+    serve.add_argument("--ray-pd-resources", type=json_object, default=None,
+                       help='--ray-address with --pd-workers: what each PD worker\'s actor asks Ray for, e.g. '
+                            '\'{"GPU": 1, "fovea_pd": 1}\' (default: {"CPU": 1, "GPU": 1} on GPUs, {"CPU": 1} '
+                            "on CPU)")
+    serve.add_argument("--ray-encode-resources", type=json_object, default=None,
+                       help='--ray-address with --pd-workers in e_pd: what each encode worker\'s actor asks for '
+                            '(default: {"CPU": 1, "GPU": 0.01} on GPUs, {"CPU": 1} on CPU)')
     serve.add_argument("--pd-timeout", type=float, default=None,
                        help="--pd-workers: seconds a PD worker may leave /health unanswered before the front "
                             "kills and restarts it, failing its requests with pd_worker_lost (default 30)")
@@ -256,7 +264,10 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
             load_format=args.load_format,
             served_model_name=args.served_model_name, topology=args.topology, engine_core=args.engine_core,
             api_server_count=args.api_server_count,
-            encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout, ray_address=args.ray_address,
+            encode_workers=args.encode_workers, encode_timeout_s=args.encode_timeout,
+            ray_address=None if pd_worker else args.ray_address,
+            ray_pd_resources=None if pd_worker else args.ray_pd_resources,
+            ray_encode_resources=None if pd_worker else args.ray_encode_resources,
             encode_device=args.encode_device,
             pd_workers=None if pd_worker else args.pd_workers,
             pd_timeout_s=None if pd_worker else args.pd_timeout,

@@ -21,6 +21,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, such as '{{\"GPU\": 1}}', not {text}")
+    return value
+
+
 def port(text: str) -> int:
     value = positive_int(text)
     if value > 65535:

@@ -39,7 +39,13 @@ class ServerSettings:
     # e_pd: the encode workers' device (e.g. cuda:1 beside a PD worker on cuda:0); None: the PD
     # worker's --device. The hand-off goes through pinned host memory either way (disagg/wire.py).
     encode_device: str | None = None
-    ray_address: str | None = None  # e_pd: encode workers as actors on this Ray cluster ("local": start one)
+    # A Ray cluster ("local": start one): e_pd's encode workers as its actors, and with
+    # --pd-workers the PD workers (or agg replicas) too, on any node with the resources.
+    ray_address: str | None = None
+    # What each Ray actor asks for ({"GPU": 1, "fovea_pd": 1}, ...); None: fovea's defaults
+    # (ray_resources below).
+    ray_pd_resources: dict[str, float] | None = None
+    ray_encode_resources: dict[str, float] | None = None
     # e_pd: prefill/decode worker processes; set, this process is only a front that routes HTTP to
     # them and supervises them and the encode workers they share (fovea.front). None: it serves.
     pd_workers: int | None = None
@@ -105,21 +111,28 @@ class ServerSettings:
                              "drop one of the two")
         if self.encode_workers is not None and self.encode_workers < 1:
             raise ValueError("--encode-workers must be at least 1")
-        if self.ray_address is not None and self.topology != "e_pd":
-            raise ValueError("--ray-address places encode workers: it needs --topology e_pd")
+        if self.ray_address is not None and self.topology != "e_pd" and self.pd_workers is None:
+            raise ValueError("--ray-address places encode workers (--topology e_pd) or replicas (--pd-workers) on "
+                             "a Ray cluster: give it one of them")
+        for flag, resources, needs in (("--ray-pd-resources", self.ray_pd_resources, self.pd_workers),
+                                       ("--ray-encode-resources", self.ray_encode_resources,
+                                        self.topology == "e_pd" and self.pd_workers)):
+            if resources is None:
+                continue
+            if self.ray_address is None or not needs:
+                raise ValueError(f"{flag} sizes the Ray actors of --ray-address with --pd-workers"
+                                 + (" in --topology e_pd" if flag == "--ray-encode-resources" else ""))
+            if not resources or not all(isinstance(k, str) and isinstance(v, int | float) and v > 0
+                                        for k, v in resources.items()):
+                raise ValueError(f"{flag} must be a JSON object of resource names and positive amounts, such as "
+                                 '\'{"GPU": 1}\' or \'{"CPU": 1, "fovea_pd": 1}\'')
         if self.pd_timeout_s is not None and self.pd_workers is None:
             raise ValueError("--pd-timeout watches the PD workers of --pd-workers: it needs --pd-workers")
         if self.pd_workers is not None:
-            if self.topology != "e_pd":
-                raise ValueError("--pd-workers runs prefill/decode workers that share encode workers: it needs "
-                                 "--topology e_pd")
             if self.pd_timeout_s is not None and not 0 < self.pd_timeout_s < math.inf:  # nan too
                 raise ValueError("--pd-timeout must be a positive number of seconds")
             if self.pd_workers < 1:
                 raise ValueError("--pd-workers must be at least 1")
-            if self.ray_address is not None:
-                raise ValueError("--pd-workers shares encode-worker processes on this machine; it cannot be "
-                                 "combined with --ray-address")
         if self.encode_addresses and (self.topology != "e_pd" or self.ray_address is not None):
             raise ValueError("shared encode workers (a PD worker behind a front) need --topology e_pd without "
                              "--ray-address")
@@ -155,7 +168,8 @@ class ServerSettings:
             raise ValueError("--max-model-len must be at least 1")
         cores = usable_cores()
         local_encoders = self.encode_workers if self.ray_address is None else None  # Ray's actors run elsewhere
-        for flag, count in (("--encode-workers", local_encoders), ("--pd-workers", self.pd_workers),
+        local_replicas = self.pd_workers if self.ray_address is None else None
+        for flag, count in (("--encode-workers", local_encoders), ("--pd-workers", local_replicas),
                             ("--preprocess-workers", self.preprocess_workers),
                             ("--api-server-count", self.api_server_count)):
             if count is not None and count > cores:
@@ -187,3 +201,14 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def ray_resources(requested: dict[str, float] | None, gpu: bool, kind: str) -> dict[str, float]:
+    """What a Ray actor of ``kind`` ("pd" or "encode") asks for: as requested, else a whole GPU
+    for a PD worker on a GPU (Ray hands it over in CUDA_VISIBLE_DEVICES), a sliver of one for an
+    encode worker (its own memory plan sizes what it takes, and it shares the GPU), one CPU on CPU."""
+    if requested is not None:
+        return dict(requested)
+    if not gpu:
+        return {"CPU": 1}
+    return {"CPU": 1, "GPU": 1} if kind == "pd" else {"CPU": 1, "GPU": 0.01}

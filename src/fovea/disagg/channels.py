@@ -28,13 +28,15 @@ class WorkerLost(Exception):
 
 
 class FramedChannel:
-    """Frames on a ``multiprocessing`` connection, tensors in two segments this side owns."""
+    """Frames on a ``multiprocessing`` connection, tensors in two segments this side owns (or,
+    to a worker on another node, inline in the frames: ``shared`` False)."""
 
     conn: Connection
 
     def __init__(self, pin: bool) -> None:
         """``pin``: register the segments with CUDA (this side copies them to or from a GPU)."""
         self.outgoing, self.incoming = OwnedSegment(pin), OwnedSegment(pin)
+        self.shared = True
         self.last_timing: dict[str, float] = {}  # the last round trip: writing it, and send to reply
 
     def _hung(self) -> None:
@@ -44,9 +46,12 @@ class FramedChannel:
         """``items`` (the first one the batch item) to the worker, its reply back. ``reply_bytes``
         sizes the reply segment: what the embeddings the batch expects take."""
         started = time.perf_counter()
-        incoming = self.incoming.ensure(reply_bytes)
-        items = [({**items[0][0], "reply": incoming.name}, None), *items[1:]]
-        request = wire.encode(items, self.outgoing.ensure(wire.tensor_bytes(items)))
+        if self.shared:
+            incoming = self.incoming.ensure(reply_bytes)
+            items = [({**items[0][0], "reply": incoming.name}, None), *items[1:]]
+            request = wire.encode(items, self.outgoing.ensure(wire.tensor_bytes(items)))
+        else:  # no "reply" segment: the worker answers inline too
+            request = wire.encode(items)
         sending = time.perf_counter()
         self._send(request, timeout)
         try:
@@ -57,7 +62,7 @@ class FramedChannel:
         except (EOFError, OSError) as exc:
             raise WorkerLost(f"died ({type(exc).__name__})") from exc
         self.last_timing = {"write_s": sending - started, "exchange_s": time.perf_counter() - sending}
-        return wire.decode(reply, self._segment)
+        return wire.decode(reply, self._segment if self.shared else None)
 
     def _segment(self, name: str):
         if self.incoming.segment is None or name != self.incoming.segment.name:

@@ -8,7 +8,9 @@ client owns its own shared-memory segments, so each connection has its own ``Att
 Frames are bytes (``send_bytes``/``recv_bytes``); nothing is pickled.
 
 The socket appears once the vision part is loaded, so its presence means "ready"; the process
-removes it when it stops (SIGTERM), and the front removes a killed worker's.
+removes it when it stops (SIGTERM), and the front removes a killed worker's. On Ray (``main``,
+run by the actor that hosts it) it listens on a TCP port of its node's address too, for PD
+workers on other nodes: the same key, the tensors inline in the frames.
 
 This module imports no torch at the top: the front that spawns it stays light.
 """
@@ -34,7 +36,7 @@ log = logging.getLogger("fovea.disagg")
 
 
 def serve(path: str, authkey: bytes, model_dir: str | None, device: str, dtype: str, batch_images: int | None,
-          fused_vision: bool | None, log_level: str = "info") -> None:
+          fused_vision: bool | None, log_level: str = "info", tcp: tuple[str, int] | None = None) -> None:
     """The process's body (a ``multiprocessing`` spawn target). ``model_dir`` None: the demo
     model; ``batch_images`` None: the engine's vision batch; ``fused_vision`` None: decide as
     the PD workers' engines do (on a GPU, for models of 1 B parameters or more). Those defaults
@@ -64,13 +66,16 @@ def serve(path: str, authkey: bytes, model_dir: str | None, device: str, dtype: 
         sys.exit(2)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a killed predecessor's socket
-    listener = Listener(address=path, family="AF_UNIX", authkey=authkey)
+    # TCP first: the Unix socket's appearance says "ready" for both.
+    listeners = [Listener(address=tcp, family="AF_INET", authkey=authkey)] if tcp is not None else []
+    listeners.append(Listener(address=path, family="AF_UNIX", authkey=authkey))
     try:
-        Server(service, listener).run()
+        Server(service, listeners).run()
     except SystemExit:
         pass
     finally:
-        listener.close()  # removes the socket file
+        for listener in listeners:
+            listener.close()  # removes the socket file
 
 
 def _exit_on_signal(signum: int, frame) -> None:
@@ -100,16 +105,17 @@ class Server:
     """Connections accepted on a thread (the key's handshake happens there), batches answered
     on this one."""
 
-    def __init__(self, service, listener: Listener) -> None:
-        self.service, self.listener = service, listener
+    def __init__(self, service, listeners: list[Listener]) -> None:
+        self.service, self.listeners = service, listeners
         self.pin = service.part.device.type == "cuda"
         self.clients: dict[Connection, Attachments] = {}
         self.arrived: queue.SimpleQueue[Connection] = queue.SimpleQueue()
         self.wake_reader, self.wake_writer = socket.socketpair()
 
     def run(self) -> None:
-        threading.Thread(target=self._accept, name="fovea-encode-accept", daemon=True).start()
-        log.info("serving on %s", self.listener.address)
+        for listener in self.listeners:
+            threading.Thread(target=self._accept, args=(listener,), name="fovea-encode-accept", daemon=True).start()
+        log.info("serving on %s", ", ".join(str(listener.address) for listener in self.listeners))
         while True:
             for ready in wait([*self.clients, self.wake_reader]):
                 if ready is self.wake_reader:
@@ -117,10 +123,10 @@ class Server:
                 else:
                     self._answer(ready)  # type: ignore[arg-type]
 
-    def _accept(self) -> None:
+    def _accept(self, listener: Listener) -> None:
         while True:
             try:
-                conn = self.listener.accept()
+                conn = listener.accept()
             except AuthenticationError as exc:
                 log.warning("refused a connection without the right key: %s", exc)
                 continue
@@ -177,3 +183,35 @@ def _attach_untracked() -> None:
             register(name, rtype)
 
     resource_tracker.register = register_owned
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A shared encode worker as its own program (Ray's actor runs it on its node); the key comes
+    in the environment, never on the command line."""
+    import argparse
+
+    from fovea.front.children import ENCODE_KEY_ENV
+
+    parser = argparse.ArgumentParser(prog="python -m fovea.disagg.encode_server")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--tcp", default=None, help="HOST:PORT to listen on as well")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-images", type=int, default=None)
+    parser.add_argument("--fused-vision", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    tcp = None
+    if args.tcp:
+        host, _, port = args.tcp.rpartition(":")
+        tcp = (host, int(port))
+    from fovea.config import SWITCH
+
+    fused = SWITCH[args.fused_vision]
+    serve(args.socket, bytes.fromhex(os.environ[ENCODE_KEY_ENV]), args.model, args.device, args.dtype,
+          args.batch_images, fused, args.log_level, tcp)
+
+
+if __name__ == "__main__":
+    main()

@@ -13,8 +13,9 @@ vision weights, recipe, dtype, shape, tokens, grid, checksum), and supervises th
 
 With ``encoder_addresses`` the workers are shared ones that already run (``encode_server``,
 started by the front of ``--pd-workers``) and the pool connects to their sockets
-(``SocketChannel``): it does not own those processes, so restarting one means connecting
-again, and a hung one is killed by its pid for the front to replace.
+(``SocketChannel``; over TCP to one on another Ray node, ``encoder_directory``): it does not
+own those processes, so restarting one means connecting again, and a hung one on this node is
+killed by its pid for the front to replace.
 
 ``status()`` is what ``/health`` lists: each worker's pid, state, restarts and batches.
 """
@@ -29,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -107,11 +109,13 @@ class EncoderPool:
         self._last_lost: str | None = None  # why a worker was last lost in a batch (the refusal says it)
         self.batch_images = batch_images  # the engine's vision batch: what each worker plans its peak for
         if encoder_addresses:
+            from fovea.disagg.encoder_directory import EncoderDirectory
             from fovea.disagg.socket_channel import SocketChannel
 
             pin = torch.device(pd_device).type == "cuda"
-            addresses, key = list(encoder_addresses), authkey or b""
-            self.open_channel = lambda index: SocketChannel(index, addresses[index], key, pin)
+            # Where each worker is now (on Ray it can move), and whether it shares this node.
+            directory, key = EncoderDirectory.from_environment(list(encoder_addresses)), authkey or b""
+            self.open_channel = lambda index: SocketChannel(index, partial(directory.endpoint, index), key, pin)
         elif ray_address is None:
             pin = torch.device(pd_device).type == "cuda"
             self.open_channel = lambda index: PipeChannel(index, self.model_dir, device, dtype, batch_images, pin,

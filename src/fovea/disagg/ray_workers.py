@@ -27,15 +27,29 @@ def ray_module():
     return ray
 
 
-def connect(address: str) -> None:
-    """Join the cluster at ``address`` ("local": start one on this machine), once per process."""
+def join_on_loopback(ray) -> None:
+    """A cluster whose nodes bind to loopback (one machine, tests) is joined on loopback. Ray
+    rewrites a 127.0.0.1 address to this machine's outward address, where nothing of that
+    cluster listens, unless it believes it runs on a laptop (the switch below, read at each
+    rewrite; its environment variable, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, only before import)."""
+    with contextlib.suppress(AttributeError):
+        ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def connect(address: str, log_to_driver: bool = False) -> None:
+    """Join the cluster at ``address`` ("local": start one on this machine), once per process.
+    ``log_to_driver``: the actors' output (a front's workers' logs) printed here too."""
     ray = ray_module()
     if ray.is_initialized():
         return
     if address == "local":
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(include_dashboard=False, log_to_driver=log_to_driver)
     else:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        loopback = address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
+        if loopback:
+            join_on_loopback(ray)
+        ray.init(address=address, include_dashboard=False, log_to_driver=log_to_driver,
+                 **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
     log.info("joined the Ray cluster at %s: %s", address, ray.cluster_resources())
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -30,6 +31,7 @@ from fovea.front.encoders import EncodeFleet
 from fovea.front.metrics import FrontMetrics, merge
 from fovea.front.pd_fleet import HUNG_AFTER_S, PdFleet, PdWorker
 from fovea.front.proxy import Proxy
+from fovea.front.ray_encoders import RayEncodeFleet
 from fovea.front.uploads import UploadRecord
 from fovea.logs import RequestIdMiddleware
 from fovea.serve.body_limit import BodyLimitMiddleware
@@ -41,11 +43,13 @@ from fovea.serve.trailing_slash import StripTrailingSlash
 log = logging.getLogger("fovea.front")
 
 START_TIMEOUT_S = 900.0  # loading a large model in every PD worker can take minutes
+PENDING_S = 10.0  # a Ray actor not placed for this long is waiting for a node with its resources
+TABLE = "encoders.json"  # where the encode workers are, beside each PD worker on Ray
 ENCODE_WATCH_S = 0.25
 WORKER_HEALTH_TIMEOUT_S = 5.0
 
 
-def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeFleet) -> FastAPI:
+def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeFleet | RayEncodeFleet) -> FastAPI:
     metrics = FrontMetrics()
     proxy = Proxy(fleet, metrics, UploadRecord(settings.media.store_max_bytes, settings.media.store_ttl_s))
     fleet.on_restart = lambda worker: metrics.pd_restarts.labels(pd_worker=str(worker.index)).inc()
@@ -100,7 +104,7 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
         reasons, warnings = [], []
         if not any(w["state"] == "ready" for w in pd):
             reasons.append("no prefill/decode worker is ready: requests get 503 pd_unavailable until one is")
-        if not any(e["state"] == "ready" for e in encode):
+        if encode and not any(e["state"] == "ready" for e in encode):
             reasons.append("no encode worker is ready: image requests get 503 until one is")
         for worker in pd:
             body = worker["health"] or {}
@@ -175,35 +179,107 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
     return app
 
 
-def await_start(fleet: PdFleet, encoders: EncodeFleet, timeout: float = START_TIMEOUT_S) -> None:
+def await_start(fleet: PdFleet, encoders: EncodeFleet | RayEncodeFleet, timeout: float = START_TIMEOUT_S,
+                pending_s: float = PENDING_S) -> None:
     """Until every PD worker's /health answers; a worker of either kind that exits first stops
-    the front with its exit code (its own log, above, says why)."""
+    the front with its exit code (its own log, above, says why). On Ray, a worker whose actor
+    waits for a node with its resources does not hold the front up for ever: once one worker is
+    ready and the others have waited ``pending_s`` to be placed, the front serves, and they join
+    when Ray places them."""
     deadline = time.monotonic() + timeout
     with httpx.Client(headers=fleet.headers) as client:
         while True:
-            failed = encoders.failed_to_start()
-            if failed is not None:
-                raise FoveaError(f"encode worker {failed.index} exited with code {failed.process.exitcode} while "
-                                 "starting (its log above says why)")
-            encoders.check()
+            _check_encoders(encoders)
             for worker in fleet.workers:
-                if worker.state != "starting":
+                if worker.state != "starting" or worker.placement is None:
                     continue
                 if worker.exited():
-                    raise FoveaError(f"PD worker {worker.index} exited with code {worker.process.poll()} while "
+                    raise FoveaError(f"PD worker {worker.index} exited with code {worker.child.exit_code()} while "
                                      "starting (its log above says why)")
                 with contextlib.suppress(httpx.HTTPError):
                     client.get(worker.url + "/health", timeout=2.0)
                     worker.state = "ready"
-            if all(w.state == "ready" for w in fleet.workers):
+            waiting = [w for w in fleet.workers if w.state != "ready"]
+            if not waiting:
+                return
+            if len(waiting) < len(fleet.workers) and all(
+                    w.placement is None and time.monotonic() - w.launched_at > pending_s for w in waiting):
+                log.warning("front: serving with %d of %d PD workers; PD worker(s) %s wait for a Ray node with the "
+                            "resources they ask for, and join once placed", len(fleet.workers) - len(waiting),
+                            len(fleet.workers), ", ".join(str(w.index) for w in waiting))
                 return
             if time.monotonic() > deadline:
-                raise FoveaError(f"the PD workers were not ready within {timeout:.0f} s")
+                raise FoveaError(f"the PD workers were not ready within {timeout:.0f} s"
+                                 + ("; not placed by Ray: " + ", ".join(str(w.index) for w in waiting
+                                                                        if w.placement is None)
+                                    if any(w.placement is None for w in waiting) else ""))
             time.sleep(0.25)
+
+
+def await_encoders(encoders: RayEncodeFleet, timeout: float = START_TIMEOUT_S) -> None:
+    """On Ray, until every encode worker is ready: the PD workers start with their table."""
+    deadline = time.monotonic() + timeout
+    while not encoders.ready():
+        _check_encoders(encoders)
+        if time.monotonic() > deadline:
+            raise FoveaError(f"the encode workers were not ready within {timeout:.0f} s: {encoders.status()}")
+        time.sleep(0.25)
+
+
+def _check_encoders(encoders: EncodeFleet | RayEncodeFleet) -> None:
+    failed = encoders.failed_to_start()
+    if failed is not None:
+        raise FoveaError(f"encode worker {failed.index} exited with code {failed.exit_code()} while starting "
+                         "(its log above says why)")
+    encoders.check()
 
 
 def _exit(signum: int, frame) -> None:
     raise SystemExit(0)
+
+
+def make_fleets(settings: ServerSettings, argv: list[str], log_level: str, encode_key: bytes,
+                internal_key: str) -> tuple[PdFleet, EncodeFleet | RayEncodeFleet]:
+    """The PD workers and the encode workers they share (none in agg): processes on this machine,
+    or with ``--ray-address`` actors on the Ray cluster."""
+    model = str(settings.model) if settings.model is not None else None
+    encode_args = (model, settings.encode_device or settings.device, settings.dtype, settings.vision_batch_size,
+                   SWITCH[settings.fused_vision], log_level)
+    encode_workers = (settings.encode_workers or 1) if settings.topology == "e_pd" else 0
+    hung_after_s = settings.pd_timeout_s or HUNG_AFTER_S
+    if settings.ray_address is None:
+        encoders = EncodeFleet(encode_workers, encode_key, encode_args)
+        return PdFleet(settings.pd_workers, argv, encoders.sockets, internal_key, encode_key,  # type: ignore[arg-type]
+                       hung_after_s=hung_after_s), encoders
+    from fovea.config import ray_resources
+    from fovea.disagg.encoder_directory import ENDPOINTS_ENV
+    from fovea.disagg.ray_workers import connect, ray_module
+    from fovea.front.ray_hosts import DIR, RayProcess
+
+    connect(settings.ray_address, log_to_driver=True)  # the workers' logs beside the front's
+    gpu = settings.device.startswith("cuda") or (
+        settings.device == "auto" and ray_module().cluster_resources().get("GPU", 0) > 0)
+    pd_resources = ray_resources(settings.ray_pd_resources, gpu, "pd")
+    ray_encoders = RayEncodeFleet(encode_workers, encode_key, encode_args,
+                                  ray_resources(settings.ray_encode_resources, gpu, "encode"))
+    fleet = PdFleet(settings.pd_workers, argv, [], internal_key, encode_key,  # type: ignore[arg-type]
+                    hung_after_s=hung_after_s,
+                    make_child=lambda index: RayProcess(f"pd-{index}", pd_resources, spread=True))
+    log.info("front: on the Ray cluster at %s: %d PD worker(s) asking %s each, %d encode worker(s) asking %s",
+             settings.ray_address, settings.pd_workers, pd_resources, encode_workers, ray_encoders.resources)
+    if encode_workers:
+        # Each PD worker reads where the encode workers are from a file on its node, rewritten when
+        # one moves (encoder_directory): a (re)started worker gets the table as it is then.
+        fleet.files = lambda worker: ({ENDPOINTS_ENV: f"{DIR}/{TABLE}"},
+                                      {TABLE: json.dumps(ray_encoders.entries())})
+
+        def tell_pd_workers(entries: list[dict | None]) -> None:
+            for worker in fleet.workers:
+                if worker.child is not None and worker.placement is not None:
+                    worker.child.write(TABLE, json.dumps(entries))
+
+        ray_encoders.on_change = tell_pd_workers
+    return fleet, ray_encoders
 
 
 def run_front(settings: ServerSettings, argv: list[str], log_level: str) -> int:
@@ -216,20 +292,18 @@ def run_front(settings: ServerSettings, argv: list[str], log_level: str) -> int:
     assert settings.pd_workers
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request and probe
     encode_key, internal_key = secrets.token_bytes(32), secrets.token_urlsafe(32)
-    model = str(settings.model) if settings.model is not None else None
-    encoders = EncodeFleet(settings.encode_workers or 1, encode_key,
-                           (model, settings.encode_device or settings.device, settings.dtype, settings.vision_batch_size,
-                            SWITCH[settings.fused_vision], log_level))
-    fleet = PdFleet(settings.pd_workers, argv, encoders.sockets, internal_key, encode_key,
-                    hung_after_s=settings.pd_timeout_s or HUNG_AFTER_S)
+    fleet, encoders = make_fleets(settings, argv, log_level, encode_key, internal_key)
     # Until uvicorn takes the signals over (and again after it hands them back), a stop signal
     # unwinds through the cleanup below instead of leaving the children to their watchdogs.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit)
     try:
-        encoders.start()
-        fleet.start()
         started = time.monotonic()
+        encoders.start()
+        if isinstance(encoders, RayEncodeFleet):
+            await_encoders(encoders)
+            fleet.sockets = encoders.sockets  # their table entries, now that they are placed
+        fleet.start()
         await_start(fleet, encoders)
         log.info("front: %d PD worker(s) and %d encode worker(s) ready in %.1f s", len(fleet.workers),
                  len(encoders.procs), time.monotonic() - started)

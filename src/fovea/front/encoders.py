@@ -44,6 +44,9 @@ class EncodeProcess:
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
+    def exit_code(self) -> int | None:
+        return self.process.exitcode if self.process is not None else None
+
     def status(self) -> dict:
         return {"index": self.index, "pid": self.pid, "state": self.state, "restarts": self.restarts,
                 "socket": self.socket}
@@ -60,7 +63,7 @@ class EncodeFleet:
 
     def __post_init__(self) -> None:
         self.procs = [EncodeProcess(i, os.path.join(self.directory, f"encode-{i}.sock")) for i in range(self.workers)]
-        if len(self.procs[-1].socket) > MAX_SOCKET_PATH:
+        if self.procs and len(self.procs[-1].socket) > MAX_SOCKET_PATH:
             raise RuntimeError(f"the encode workers' socket path {self.procs[-1].socket} is too long for a Unix "
                                "socket; set TMPDIR to a shorter directory")
         self.context = multiprocessing.get_context("spawn")

@@ -1,4 +1,4 @@
-"""The PD workers, as the front runs them: M ``fovea serve`` processes on loopback ports.
+"""The PD workers, as the front runs them: M ``fovea serve`` processes, on loopback ports (or on Ray nodes).
 
 A worker is "starting" until its ``/health`` answers (uvicorn listens only once the model is
 loaded and the canary has run), then it gets the images uploaded so far (``on_join``) and is
@@ -12,21 +12,21 @@ waiting for ever, and it is restarted the same way.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import signal
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
-from fovea.disagg.parent_watch import PARENT_FD_ENV, lifeline
 from fovea.front import routing
-from fovea.front.children import free_port, pd_worker_command, pd_worker_env
+from fovea.front.children import LocalProcess, pd_worker_command, pd_worker_env
 from fovea.front.encoders import backoff_s
+from fovea.front.ray_hosts import Placement
+
+if TYPE_CHECKING:
+    from fovea.front.ray_hosts import RayProcess
 
 log = logging.getLogger("fovea.front")
 
@@ -40,71 +40,84 @@ STOP_GRACE_S = 20.0
 @dataclass
 class PdWorker:
     index: int
-    port: int = 0
-    process: subprocess.Popen | None = None
+    child: LocalProcess | RayProcess | None = None
     state: str = "starting"  # starting | ready | dead | stopped
     restarts: int = 0
     failures: int = 0  # starts in a row that died before they were ready
     died_at: float = 0.0
+    launched_at: float = 0.0
     in_flight: int = 0
     answered_at: float = 0.0  # when its /health last answered (ready workers)
     asked_at: float = 0.0
     routed: int = 0  # requests sent to it, over all its restarts (the tie-break between idle workers)
-    lifeline: int | None = None  # the pipe end whose closing kills it (parent_watch): held while it runs
     waiting: int = 0  # its engine's waiting requests, as its /health last said (routing.py)
     kv_free: float | None = None  # its KV cache's free share, likewise; None: not reported
 
-    def release(self) -> None:
-        """Close its lifeline, once its process has exited."""
-        if self.lifeline is not None:
-            os.close(self.lifeline)
-            self.lifeline = None
+    @property
+    def placement(self) -> Placement | None:
+        return self.child.placed() if self.child is not None else None
+
+    @property
+    def port(self) -> int:
+        placement = self.placement
+        return placement.port if placement is not None else 0
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        placement = self.placement
+        return f"http://{placement.host}:{placement.port}" if placement is not None else ""
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
+        return self.child.pid if self.child is not None else None
 
     def exited(self) -> bool:
-        return self.process is None or self.process.poll() is not None
+        return self.child is None or self.child.exited()
 
     def status(self) -> dict:
-        return {"index": self.index, "pid": self.pid, "port": self.port, "state": self.state,
+        placement = self.placement
+        state = self.state if placement is not None or self.state != "starting" else "placing"
+        return {"index": self.index, "pid": self.pid, "port": self.port, "state": state,
+                "node": placement.node if placement is not None else None,
+                "host": placement.host if placement is not None else None,
                 "restarts": self.restarts, "in_flight": self.in_flight, "routed": self.routed}
 
 
 class PdFleet:
     def __init__(self, workers: int, argv: list[str], sockets: list[str], internal_key: str,
-                 encode_key: bytes, hung_after_s: float = HUNG_AFTER_S) -> None:
-        """``argv``: the front's command line, which each worker runs with its own overrides."""
+                 encode_key: bytes, hung_after_s: float = HUNG_AFTER_S,
+                 make_child: Callable[[int], LocalProcess | RayProcess] | None = None) -> None:
+        """``argv``: the front's command line, which each worker runs with its own overrides.
+        ``make_child``: where worker i runs (default: a process on this machine; on Ray, an actor).
+        ``sockets``: each shared encode worker's entry (a socket path, or on Ray a table entry)."""
         self.hung_after_s = hung_after_s
         self.workers = [PdWorker(i) for i in range(workers)]
         self.argv, self.sockets = argv, sockets
         self.env = pd_worker_env(internal_key, encode_key)
         self.headers = {"authorization": f"Bearer {internal_key}"}
         self.on_restart: Callable[[PdWorker], None] = lambda worker: None
+        # What a (re)started worker is given beside its command: files written on its node first.
+        self.files: Callable[[PdWorker], tuple[dict[str, str], dict[str, str]]] = lambda worker: ({}, {})
+        self.make_child = make_child or (lambda index: LocalProcess(f"PD worker {index}"))
         self._stopping = False
 
     def start(self) -> None:
         for worker in self.workers:
+            worker.child = self.make_child(worker.index)
             self._spawn(worker)
 
     def _spawn(self, worker: PdWorker) -> None:
-        worker.port, worker.state = free_port(), "starting"
-        worker.release()  # its previous process has exited
-        child_end, worker.lifeline = lifeline()
-        # A session of its own: a Ctrl-C at the terminal reaches the front alone, which then
-        # stops its workers in order instead of racing them.
-        try:
-            worker.process = subprocess.Popen(pd_worker_command(self.argv, worker.index, worker.port, self.sockets),
-                                              env={**self.env, PARENT_FD_ENV: str(child_end)},
-                                              pass_fds=(child_end,), start_new_session=True)
-        finally:
-            os.close(child_end)
-        log.info("PD worker %d starting (pid %d, port %d)", worker.index, worker.pid, worker.port)
+        worker.state, worker.launched_at = "starting", time.monotonic()
+        env, files = self.files(worker)
+        worker.child.launch(pd_worker_command(self.argv, worker.index, self.sockets),  # type: ignore[union-attr]
+                            {**self.env, **env}, files)
+        self._log_placed(worker)
+
+    def _log_placed(self, worker: PdWorker) -> None:
+        placement = worker.placement
+        if placement is not None:
+            log.info("PD worker %d starting (pid %d, %s:%d, node %s)", worker.index, placement.pid,
+                     placement.host, placement.port, placement.node)
 
     # ---- routing --------------------------------------------------------------------------
     def ready(self) -> list[PdWorker]:
@@ -125,7 +138,7 @@ class PdFleet:
         return worker.state == "dead"
 
     def _mark_dead(self, worker: PdWorker) -> None:
-        code = worker.process.poll() if worker.process is not None else None
+        code = worker.child.exit_code() if worker.child is not None else None
         log.warning("PD worker %d (pid %s) exited with code %s", worker.index, worker.pid, code)
         worker.failures += worker.state == "starting"
         worker.state, worker.died_at = "dead", time.monotonic()
@@ -155,6 +168,11 @@ class PdFleet:
                 worker.restarts += 1
                 self.on_restart(worker)
                 self._spawn(worker)
+            if worker.state == "starting" and worker.placement is None:  # Ray places its actor
+                await asyncio.sleep(WATCH_S)
+                if worker.placement is not None:
+                    self._log_placed(worker)
+                continue
             if worker.state == "starting" and await self.probe(client, worker):
                 try:
                     await on_join(worker)
@@ -178,28 +196,19 @@ class PdFleet:
             log.warning("PD worker %d (pid %s) has not answered /health for %.0f s (--pd-timeout): killing it; "
                         "its requests fail with pd_worker_lost and it is restarted", worker.index, worker.pid,
                         now - worker.answered_at)
-            with contextlib.suppress(ProcessLookupError):
-                worker.process.kill()  # type: ignore[union-attr]
-            worker.process.wait(10)  # type: ignore[union-attr]
+            worker.child.kill()  # type: ignore[union-attr]
             self._mark_dead(worker)
 
     def stop(self) -> None:
         """SIGTERM (each worker's uvicorn shuts down: its encoder pool closes its shared
-        memory), then SIGKILL for any that is still there after the grace period."""
+        memory), then SIGKILL for any that is still there after the grace period; on Ray, the
+        actors killed for good."""
         self._stopping = True
         for worker in self.workers:
             worker.state = "stopped"
-            if not worker.exited():
-                with contextlib.suppress(ProcessLookupError):
-                    worker.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            if worker.child is not None:
+                worker.child.terminate()
         deadline = time.monotonic() + STOP_GRACE_S
         for worker in self.workers:
-            if worker.process is None:
-                continue
-            try:
-                worker.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("PD worker %d did not stop within %.0f s: killing it", worker.index, STOP_GRACE_S)
-                worker.process.kill()
-                worker.process.wait(5)
-            worker.release()
+            if worker.child is not None:
+                worker.child.finish(deadline)
