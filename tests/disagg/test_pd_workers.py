@@ -427,13 +427,17 @@ def test_sigterm_stops_every_process_and_leaves_nothing_behind(front):
 
 # ---- refusals and pieces --------------------------------------------------------------------
 @pytest.mark.parametrize("flags, message", [
-    (["--pd-workers", "2"], "--pd-workers runs prefill/decode workers that share encode workers: it needs"),
-    (["--pd-workers", "2", "--topology", "e_pd", "--ray-address", "local"],
-     "--pd-workers shares encode-worker processes on this machine; it cannot be combined with --ray-address"),
+    (["--ray-pd-resources", '{"GPU": 1}', "--pd-workers", "2"],
+     "--ray-pd-resources sizes the Ray actors of --ray-address with --pd-workers"),
+    (["--ray-address", "local", "--pd-workers", "2", "--ray-encode-resources", '{"GPU": 1}'],
+     "--ray-encode-resources sizes the Ray actors of --ray-address with --pd-workers in --topology e_pd"),
+    (["--ray-address", "local", "--pd-workers", "2", "--ray-pd-resources", '{"GPU": 0}'],
+     "--ray-pd-resources must be a JSON object of resource names and positive amounts"),
     (["--topology", "e_pd", "--pd-timeout", "5"], "--pd-timeout watches the PD workers of --pd-workers"),
     (["--topology", "e_pd", "--pd-workers", "2", "--pd-timeout", "0"], "--pd-timeout must be a positive"),
 ])
-def test_pd_workers_without_e_pd_or_with_ray_are_refused_in_one_line(flags, message, capsys):
+def test_pd_worker_flags_that_do_not_fit_are_refused_in_one_line(flags, message, capsys):
+    # Each refusal comes from the settings' checks, before anything starts (no Ray, no port).
     assert main(["serve", "--device", "cpu", "--no-canary", *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

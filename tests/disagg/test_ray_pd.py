@@ -95,14 +95,14 @@ async def post_all(base: str, bodies: list[dict]) -> list[httpx.Response]:
         return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
 
 
-def test_64_concurrent_requests_answer_as_agg_on_both_nodes_and_the_hand_off_is_logged_per_pair(ray_front,
+def test_32_concurrent_requests_answer_as_agg_on_both_nodes_and_the_hand_off_is_logged_per_pair(ray_front,
                                                                                                   demo_model):
     workers = ready_workers(ray_front)
     assert {w["node"] for w in workers} == {node_of(ray_front, "A"), node_of(ray_front, "B")}
-    images = [scenes.render(fresh_scene(91_000 + i)) for i in range(64)]
+    images = [scenes.render(fresh_scene(91_000 + i)) for i in range(32)]
     expected = agg_texts(demo_model, images)
     replies = asyncio.run(post_all(ray_front.base, [chat(image) for image in images]))
-    assert [r.status_code for r in replies] == [200] * 64, [r.text for r in replies if r.status_code != 200][:2]
+    assert [r.status_code for r in replies] == [200] * 32, [r.text for r in replies if r.status_code != 200][:2]
     assert [content(r) for r in replies] == expected
     assert {r.headers["x-fovea-pd-worker"] for r in replies} == {"0", "1"}
     # The PD worker beside the encode worker uses shared memory, the other TCP; both verified
@@ -159,17 +159,22 @@ def test_a_removed_node_loses_only_its_requests_and_its_replica_returns_on_a_nod
     assert str(doomed) in {r.headers["x-fovea-pd-worker"] for r in again}
 
 
+def alive_hosts() -> list[dict]:
+    """The ProcessHost actors that the cluster's control store (GCS) holds alive; read from the GCS,
+    not the state API, because these nodes run no dashboard."""
+    from ray._private import state
+
+    return [a for a in state.actors().values() if a["ActorClassName"] == "ProcessHost" and a["State"] == "ALIVE"]
+
+
 def test_sigterm_leaves_no_actor_and_no_process_behind(ray_front):
     pids = [w["pid"] for w in health(ray_front)["pd_workers"] if w["pid"]]
     connect(ray_front.cluster.address)  # on loopback, as the front joined it
     try:
-        from ray.util.state import list_actors
-
-        assert [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "ProcessHost"]
+        assert alive_hosts()
         ray_front.process.send_signal(signal.SIGTERM)
         assert ray_front.process.wait(90) == 0
-        wait_for("actors were left alive", lambda: not [a for a in list_actors(filters=[("state", "=", "ALIVE")])
-                                                        if a.class_name == "ProcessHost"], timeout=60)
+        wait_for("actors were left alive", lambda: not alive_hosts(), timeout=60)
     finally:
         ray.shutdown()
     for pid in pids:
