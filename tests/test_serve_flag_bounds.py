@@ -29,6 +29,7 @@ from scene_helpers import free_port
 
 import fovea
 from fovea.cli import build_parser
+from fovea.cli_types import json_object
 from fovea.config import ServerSettings, usable_cores
 from fovea.engine.memory.planner import host_available_bytes
 from fovea.guard.canary_fit import PROBE_SIZES, canary_prompt, probe_bytes
@@ -118,7 +119,6 @@ def cases(n: dict[str, int], busy_port: int) -> list[Case]:
         Case("encode-workers-without-e-pd", ("--encode-workers", "1"), "--encode-workers", "need --topology e_pd"),
         Case("encode-workers-over-cores", (*e_pd, "--encode-workers", str(CORES + 1)), "--encode-workers",
              f"more than this machine's {CORES} CPU cores"),
-        Case("pd-workers-without-e-pd", ("--pd-workers", "1"), "--pd-workers", "it needs --topology e_pd"),
         Case("pd-workers-over-cores", (*e_pd, "--pd-workers", str(CORES + 1)), "--pd-workers",
              f"more than this machine's {CORES} CPU cores"),
         Case("preprocess-workers-over-cores", ("--preprocess-workers", str(CORES + 1)), "--preprocess-workers",
@@ -289,7 +289,7 @@ def test_a_flag_at_or_past_its_boundary_serves_or_is_refused_in_one_line(case_id
 def test_every_numeric_flag_of_serve_has_cases_at_and_past_its_boundary():
     serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
     numeric = {a.option_strings[0] for a in serve._actions
-               if a.type is not None and a.type not in (str, Path, json.loads) and a.help != "==SUPPRESS=="}
+               if a.type is not None and a.type not in (str, Path, json.loads, json_object) and a.help != "==SUPPRESS=="}
     fake = {"need": 2, "per_block": 1024, "block": 16, "context": 4, "canary_blocks": 1}
     served = {arg for c in cases(fake, 1) if c.flag is None for arg in c.argv if arg.startswith("--")}
     refused = {c.flag for c in cases(fake, 1) if c.flag is not None}

@@ -216,6 +216,26 @@ def test_the_front_app_chains_the_restart_hook_and_shows_the_load_it_routes_by()
     assert all(f'fovea_front_affinity_total{{outcome="{o}"}} 0.0' in text for o in ("hit", "overloaded", "miss", "none"))
 
 
+class PlacedAt:
+    """A PD worker's child that runs nowhere: placed on a loopback port the test's transport answers,
+    and exited once that port is in ``down``."""
+
+    def __init__(self, port: int, down: set[int]) -> None:
+        from fovea.front.ray_hosts import Placement
+
+        self.placement, self.pid, self.down = Placement(node="local", host="127.0.0.1", port=port, pid=0, dir=""), \
+            None, down
+
+    def placed(self):
+        return self.placement
+
+    def exited(self) -> bool:
+        return self.placement.port in self.down
+
+    def exit_code(self) -> int | None:
+        return -9 if self.exited() else None
+
+
 def test_the_proxy_routes_by_affinity_records_where_it_sent_and_retries_an_unreachable_worker():
     import httpx
     from starlette.testclient import TestClient
@@ -226,9 +246,9 @@ def test_the_proxy_routes_by_affinity_records_where_it_sent_and_retries_an_unrea
 
     encoders = EncodeFleet(1, b"key", ())
     fleet = PdFleet(2, [], encoders.sockets, "internal", b"key")
-    for index, worker in enumerate(fleet.workers):
-        worker.state, worker.port = "ready", 41_000 + index
     down: set[int] = set()
+    for index, worker in enumerate(fleet.workers):
+        worker.state, worker.child = "ready", PlacedAt(41_000 + index, down)
 
     def answer(request: httpx.Request) -> httpx.Response:
         if request.url.port in down:
