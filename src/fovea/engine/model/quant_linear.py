@@ -5,7 +5,9 @@ read from the checkpoint by ``loading/quantized``). The two executions of ``Page
 
 - ``torch_linear``: ``F.linear``, dequantising a quantized weight for the call (CPU, tests);
 - ``fused_linear``: the Triton/cuBLAS path: FP8 through ``_scaled_mm`` with per-token dynamic
-  activation scales, block FP8 and int4 through their Triton kernels.
+  activation scales, block FP8 and int4 through their Triton kernels (int4 with many rows:
+  dequantised into one scratch buffer shared by the layers, ``int4_scratch_elements``, then
+  torch's matmul).
 
 ``fuse_weights`` stacks q/k/v (and gate/up) into one weight, as ``fuse_rows`` does for tensors,
 and re-points each module at its rows so the memory is held once.
@@ -37,14 +39,26 @@ def torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = No
     return dequantized_linear(x, weight, bias)
 
 
-def fused_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fused_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
+                 scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``scratch``: the int4 layers' shared dequantisation buffer (``int4_scratch_elements``)."""
     if isinstance(weight, torch.Tensor):
         return triton_ops.linear(x, weight, bias)
     if isinstance(weight, Fp8Weight):
         if weight.block is not None:
             return quant_matmul.fp8_block_linear(x, weight.weight, weight.scale, weight.block, bias)
         return quant_matmul.fp8_linear(x, weight.weight, weight.scale, bias)
-    return quant_matmul.int4_linear(x, weight.packed, weight.scales, weight.zeros, weight.group, bias)
+    return quant_matmul.int4_linear(x, weight.packed, weight.scales, weight.zeros, weight.group, bias,
+                                    scratch=scratch)
+
+
+def int4_scratch_elements(layers: list, names: tuple[str, ...] = ("qkv", "o", "gate_up", "down")) -> int:
+    """Elements of the buffer the fused forward's int4 layers dequantise into (many rows: prefill):
+    the largest int4 weight among the products it runs (``names`` of each layer's weights); 0
+    when none is int4."""
+    sizes = [w.out_features * w.in_features for layer in layers for w in (getattr(layer, n, None) for n in names)
+             if isinstance(w, Int4Weight)]
+    return max(sizes, default=0)
 
 
 def mixed_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
