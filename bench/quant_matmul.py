@@ -10,7 +10,7 @@ dynamic per-token activation quantiser included. The int4 rows, old against new:
 - ``int4``: ``int4_linear`` as shipped: fused below ``INT4_DEQUANT_MIN_ROWS`` rows, int4_dq from it;
 - ``int4_dqk``: the dequantiser alone (its floor: 0.5 byte read and 2 written per weight).
 
-    python3 bench/quant_matmul.py [--model 7b|72b|all] [--rows 1,8,64,256,1275,2048] [--reps 20]
+    python3 bench/quant_matmul.py [--model 7b|72b|all] [--rows 1,8,64,128,256,1275,2048] [--reps 20]
                                   [--impls ...] [--no-check] [--sweep]
 
 For the int4 work alone (the two models within a 10-minute call):
@@ -259,7 +259,7 @@ def check_symmetric_int4(x: torch.Tensor, wt: Weights, failures: list[str], labe
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["7b", "72b", "all"], default="all")
-    p.add_argument("--rows", default="1,8,64,256,1275,2048",
+    p.add_argument("--rows", default="1,8,64,128,256,1275,2048",
                    help="comma-separated row counts (tokens; 1275: one 720p image's prefill)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-check", action="store_true", help="time only")

@@ -395,6 +395,30 @@ def test_int4_linear_takes_the_dequantising_path_from_the_threshold(dtype, monke
         quant_matmul.int4_linear(x, packed, scales, zeros, group, impl="cublas")
 
 
+@needs_triton
+def test_the_start_up_check_runs_both_int4_paths(monkeypatch):
+    """The quantized layers' start-up check runs the int4 layers on few rows (the fused kernel) and
+    on INT4_DEQUANT_MIN_ROWS rows (the dequantiser and torch's matmul), and notices either wrong."""
+    from types import SimpleNamespace
+
+    from fovea.engine.kernels import quant_matmul
+    from fovea.engine.model.quant_linear import quantized_kernels_problem
+    from fovea.quant.weights import Int4Weight
+
+    monkeypatch.setattr(quant_matmul, "INT4_DEQUANT_MIN_ROWS", 16)  # the interpreter is slow
+    gen = torch.Generator().manual_seed(50)
+    layers = [SimpleNamespace(qkv=Int4Weight.random(48, 128, 32, symmetric=False, generator=gen),
+                              down=Int4Weight.random(32, 64, 32, generator=gen))]
+    real = quant_matmul.int4_dequantize
+    calls = []
+    monkeypatch.setattr(quant_matmul, "int4_dequantize", lambda *a: calls.append(1) or real(*a))
+    assert quantized_kernels_problem(layers, torch.bfloat16, DEVICE) is None
+    assert len(calls) == 2  # q/k/v and down, once each
+    monkeypatch.setattr(quant_matmul, "int4_dequantize", lambda *a: real(*a).mul_(1.1))
+    problem = quantized_kernels_problem(layers, torch.bfloat16, DEVICE)
+    assert problem is not None and "qkv (16 rows): relative error" in problem
+
+
 def test_int4_torch_path(monkeypatch):
     from fovea.engine.kernels import quant_matmul
 

@@ -20,10 +20,13 @@ What runs where:
 - ``fp8_block_linear``: the Triton kernel with per-token-group activation scales (the group is the
   weight block's K width): each K tile's product is scaled by a_scale[m] * w_scale[n // bn] before
   it is accumulated. Without a kernel: the same in torch.
-- ``int4_linear``: one Triton kernel, split over K for few rows (decode reads 0.5 byte per weight;
-  the split keeps every SM busy), tiled for many. Each K tile (inside one group) is
-  dot(x, q - z) in the activation dtype (exact: small integers), accumulated in float32 times the
-  group's scale. Without a kernel: the weight dequantised in float32, then one product.
+- ``int4_linear``: below ``INT4_DEQUANT_MIN_ROWS`` rows one Triton kernel, split over K for few
+  rows (decode reads 0.5 byte per weight; the split keeps every SM busy), tiled for more. Each K
+  tile (inside one group) is dot(x, q - z) in the activation dtype (exact: small integers; the
+  codes made floats from their bits or by conversion, whichever timed faster), accumulated in
+  float32 times the group's scale. From that many rows (prefill): the weight dequantised by a
+  Triton kernel into a scratch buffer the caller holds (one for all layers), then torch's matmul.
+  Without a kernel: the weight dequantised in float32, then one product.
 
 Launch configurations are chosen per (kind, row bucket, N, K, group, dtype) on first use on a GPU by
 timing a few candidates (``AUTOTUNE``); under the interpreter or a graph capture the first candidate

@@ -110,7 +110,8 @@ def quantized_kernels_problem(layers: list, dtype: torch.dtype, device: torch.de
     down weights through ``fused_linear`` against ``torch_linear`` (the same quantised
     activations, the dequantised weight) on a few random rows. None when they agree to the
     output dtype's rounding, else what disagreed (the engine then runs those layers on the torch
-    path: slower, never wrong)."""
+    path: slower, never wrong). Int4 layers are checked on as many rows as take the dequantising
+    path too (``quant_matmul.INT4_DEQUANT_MIN_ROWS``)."""
     if not layers:
         return None
     first = layers[0]
@@ -119,13 +120,15 @@ def quantized_kernels_problem(layers: list, dtype: torch.dtype, device: torch.de
     generator = torch.Generator().manual_seed(0)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # relative, of a sum over K products rounded once
     for name, weight in weights.items():
-        x = torch.randn(3, weight.in_features, generator=generator).to(device, dtype)
-        try:
-            got = fused_linear(x, weight).float()
-        except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is a disagreement
-            return f"{type(weight).__name__} {name}: {type(exc).__name__}: {exc}"
-        ref = torch_linear(x, weight).float()
-        err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
-        if not err <= tolerance:
-            return f"{type(weight).__name__} {name}: relative error {err:.2e} > {tolerance:.0e}"
+        row_counts = (3, quant_matmul.INT4_DEQUANT_MIN_ROWS) if isinstance(weight, Int4Weight) else (3,)
+        for rows in row_counts:
+            x = torch.randn(rows, weight.in_features, generator=generator).to(device, dtype)
+            try:
+                got = fused_linear(x, weight).float()
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is a disagreement
+                return f"{type(weight).__name__} {name} ({rows} rows): {type(exc).__name__}: {exc}"
+            ref = torch_linear(x, weight).float()
+            err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+            if not err <= tolerance:
+                return f"{type(weight).__name__} {name} ({rows} rows): relative error {err:.2e} > {tolerance:.0e}"
     return None
