@@ -301,11 +301,12 @@ def test_int4_sees_every_nibble_and_the_zeros():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("per_nibble", [False, True])
+@pytest.mark.parametrize("per_nibble,fold", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("with_zeros", [True, False])
-def test_int4_gemm_magic_unpacking(dtype, per_nibble, with_zeros):
-    """The codes made floats from their bits (and one product per nibble position) give the
-    product of the dequantised weight, split over K and not; rows 1 and 5 (decode)."""
+def test_int4_gemm_magic_unpacking(dtype, per_nibble, fold, with_zeros):
+    """The codes made floats from their bits (one product per nibble position or not; the zero
+    points taken off each weight or off the accumulator) give the product of the dequantised
+    weight, split over K and not; rows 1 and 5 (decode). (Float32 activations never fold.)"""
     from fovea.engine.kernels.quant_matmul import GemmConfig, int4_gemm
 
     n, k, group = 40, 512, 128
@@ -313,7 +314,7 @@ def test_int4_gemm_magic_unpacking(dtype, per_nibble, with_zeros):
     for rows, split in ((1, 0), (5, 1)):
         x = rand(rows, k, seed=41 + rows, dtype=dtype)
         bias = rand(n, seed=43, dtype=dtype) if split else None
-        config = GemmConfig(16, 32, 128, split, 4, 3, magic=True, per_nibble=per_nibble)
+        config = GemmConfig(16, 32, 128, split, 4, 3, magic=True, per_nibble=per_nibble, fold=fold)
         y = int4_gemm(x, packed, scales, zeros, group, bias, config)
         ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
         assert y.dtype == dtype
@@ -325,11 +326,32 @@ def test_int4_candidates_keep_the_old_unpacking_and_fit_the_group():
 
     for rows in (1, 8, 64, 256, 2048):
         every = int4_candidates(rows, 128)
-        assert every[0].magic and any(not c.magic for c in every)  # the old ones stay timed beside the new
-        assert int4_candidates(rows, 128, "shift") == [c for c in every if not c.magic]
+        assert every[0].magic and any(c.fold for c in every)
+        assert [c for c in every if not c.magic] == int4_candidates(rows, 128, "shift")[:1]  # the old default stays
+        assert all(c.magic for c in int4_candidates(rows, 128, "magic"))
     assert all(c.block_k == 32 and not c.per_nibble for c in int4_candidates(1, 32))
     with pytest.raises(ValueError, match="unpack"):
         int4_candidates(1, 128, "lop3")
+
+
+def test_the_choice_skips_a_candidate_that_cannot_run(monkeypatch):
+    """A candidate that fails (a tile past the GPU's shared memory) is logged and skipped; the
+    fastest of the others is kept. Only when none runs does the error surface."""
+    testing = pytest.importorskip("triton.testing")
+    from fovea.engine.kernels import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "_cannot_time", lambda: False)
+    monkeypatch.setattr(qm, "_CHOSEN", {})
+    monkeypatch.setattr(testing, "do_bench", lambda fn, warmup, rep: fn())
+    cands = [qm.GemmConfig(16, 64, 128), qm.GemmConfig(16, 32, 128), qm.GemmConfig(16, 128, 128)]
+
+    def launch(c):
+        if c.block_n == 64:
+            raise RuntimeError("out of resources: shared memory")
+        return {32: 2.0, 128: 1.0}[c.block_n]
+    assert qm._choose(("int4", 1), cands, launch) == cands[2]
+    with pytest.raises(RuntimeError, match="out of resources"):
+        qm._choose(("int4", 2), [cands[0], cands[0]], launch)  # (one candidate alone is not timed)
 
 
 @needs_triton
