@@ -308,32 +308,34 @@ def _kernels():
     def int4_dequant_kernel(P, S, Z, W, N, stride_pk, stride_sk, stride_zk, stride_wk,
                             GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
                             BLOCK_N: tl.constexpr, ROUND_BF16: tl.constexpr):
-        # W[k, n] = (q[k, n] - z[g, n]) s[g, n] in W's dtype, one [BLOCK_K, BLOCK_N] tile per program:
-        # reads the packed words and one row of scales (and zeros) per tile (GROUP % BLOCK_K == 0),
-        # writes the tile with N contiguous, as the packed layout: both sides coalesced.
+        # W[k, n] = (q[k, n] - z[g, n]) s[g, n] in W's dtype, one [BLOCK_K, BLOCK_N] tile per program
+        # (GROUP % BLOCK_K == 0: one row of scales and zeros). The packed rows [BLOCK_K / 8, BLOCK_N]
+        # are read once; nibble j of each is written to row 8i + j, one [BLOCK_K / 8, BLOCK_N] slab at
+        # a time (no reshape across registers); every row is BLOCK_N contiguous elements, as read.
         pid_k = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_p = pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
-        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         p = tl.load(P + offs_p.to(tl.int64)[:, None] * stride_pk + offs_n[None, :], mask=n_ok[None, :], other=0,
                     eviction_policy="evict_first")
-        q = tl.reshape((p[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
         g = (pid_k * BLOCK_K) // GROUP
         s = tl.load(S + g * stride_sk + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_ZEROS:
             z = tl.load(Z + g * stride_zk + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         else:
             z = tl.full([BLOCK_N], 8.0, tl.float32)
-        # 2^23 + q from its bits (no int -> float conversion), then exact integer arithmetic in float32
-        w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 8388608.0)[None, :]) * s[None, :]
-        if ROUND_BF16:  # the interpreter's float32 -> bf16 cast truncates: round to nearest even first
-            bits = w.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            w = bits.to(tl.float32, bitcast=True)
-        tl.store(W + offs_k.to(tl.int64)[:, None] * stride_wk + offs_n[None, :], w.to(W.dtype.element_ty),
-                 mask=n_ok[None, :])
+        zm = z + 8388608.0
+        w_ptrs = W + (8 * offs_p).to(tl.int64)[:, None] * stride_wk + offs_n[None, :]
+        for j in tl.static_range(8):
+            q = (p >> (4 * j)) & 0xF
+            # 2^23 + q from its bits (no int -> float conversion), then exact integer arithmetic in float32
+            w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zm[None, :]) * s[None, :]
+            if ROUND_BF16:  # the interpreter's float32 -> bf16 cast truncates: round to nearest even first
+                bits = w.to(tl.int32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+                w = bits.to(tl.float32, bitcast=True)
+            tl.store(w_ptrs + j * stride_wk, w.to(W.dtype.element_ty), mask=n_ok[None, :])
 
     @triton.jit
     def split_sum_kernel(WS, BIAS, C, N, splits, stride_ws, stride_wm, stride_cm,
@@ -665,7 +667,7 @@ def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     """The Triton dequantiser: W^T [K, N] (N contiguous, as ``packed``) written into ``out``, a
     [K, N] tensor of the scales' dtype (or a flat buffer of that dtype with at least K * N elements:
     its first K * N are used). Returns the [K, N] view. Reads 0.5 and writes 2 (bf16) bytes per
-    weight, one [group-sized K tile, 128] block per program."""
+    weight, one [128 (or the group's power-of-two factor), 128] tile per program."""
     k, n = packed.shape[0] * 8, packed.shape[1]
     if out.dtype != scales.dtype or out.device != packed.device:
         raise ValueError(f"the dequantised weight's buffer is {out.dtype} on {out.device}; the weight needs "
@@ -684,7 +686,7 @@ def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     _kernels()[3][grid](packed, scales, zeros if zeros is not None else scales, out, n, packed.stride(0),
                         scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
                         GROUP=group, HAS_ZEROS=zeros is not None, BLOCK_K=block_k, BLOCK_N=DEQUANT_BLOCK_N,
-                        ROUND_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=4)
+                        ROUND_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=4)  # 16 weights a thread
     return out
 
 
