@@ -429,8 +429,8 @@ def test_the_start_up_check_runs_both_int4_paths(monkeypatch):
 
     monkeypatch.setattr(quant_matmul, "INT4_DEQUANT_MIN_ROWS", 16)  # the interpreter is slow
     gen = torch.Generator().manual_seed(50)
-    layers = [SimpleNamespace(qkv=Int4Weight.random(48, 128, 32, symmetric=False, generator=gen),
-                              down=Int4Weight.random(32, 64, 32, generator=gen))]
+    layers = [SimpleNamespace(qkv=Int4Weight.random(48, 128, 32, symmetric=False, generator=gen).to(DEVICE),
+                              down=Int4Weight.random(32, 64, 32, generator=gen).to(DEVICE))]
     real = quant_matmul.int4_dequantize
     calls = []
     monkeypatch.setattr(quant_matmul, "int4_dequantize", lambda *a: calls.append(1) or real(*a))
