@@ -1,10 +1,21 @@
 """Quantised linear layers on the GPU, checked and timed on the Qwen2.5-VL-7B and -72B decoder shapes:
 bf16 ``F.linear``, FP8 per-channel through ``torch._scaled_mm`` and through the Triton kernel, FP8
-128x128 blocks (Triton) and W4A16 int4 with group 128 and zero points (Triton), each FP8 path with
-its dynamic per-token activation quantiser included.
+128x128 blocks (Triton) and W4A16 int4 with group 128 and zero points, each FP8 path with its
+dynamic per-token activation quantiser included. The int4 rows, old against new:
 
-    python3 bench/quant_matmul.py [--model 7b|72b|all] [--rows 1,8,64,256,2048] [--reps 20]
-                                  [--no-check] [--sweep]
+- ``int4_old``: the fused Triton kernel choosing among its configurations of before 2026-12-03 (codes
+  converted int -> float: ``int4_candidates(..., "shift")``);
+- ``int4_fused``: the fused kernel choosing among all (the magic-number and per-nibble unpacking too);
+- ``int4_dq``: the weight dequantised into one scratch buffer (``int4_dequantize``), then cuBLAS;
+- ``int4``: ``int4_linear`` as shipped: fused below ``INT4_DEQUANT_MIN_ROWS`` rows, int4_dq from it;
+- ``int4_dqk``: the dequantiser alone (its floor: 0.5 byte read and 2 written per weight).
+
+    python3 bench/quant_matmul.py [--model 7b|72b|all] [--rows 1,8,64,128,256,1275,2048] [--reps 20]
+                                  [--impls ...] [--no-check] [--sweep]
+
+For the int4 work alone (the two models within a 10-minute call):
+
+    python3 bench/quant_matmul.py --impls bf16,int4_old,int4_fused,int4_dq,int4 --reps 10
 
 First every kernel is CHECKED on the GPU, for every shape and row count, against a reference built
 here from the layouts' definitions: the activation quantisers bit for bit against torch's cast, the
@@ -18,8 +29,10 @@ distinct copies of the weight (more bytes than the 50 MB L2 holds, as in a decod
 ms, effective TB/s (weight bytes read / time), TFLOP/s, and the floor: max(bytes / 4.2 TB/s copy,
 flops / 790 TFLOP/s bf16 or ~1580 fp8). The table printed last sums each format over one decoder
 step's linear layers (qkv, o, gate_up, down, times the layers), the number the decode goals are
-about (the LM head and attention are not in it). ``--sweep`` also times every candidate launch
-configuration of the Triton kernels (the first use of a shape picks the fastest by itself).
+about (the LM head and attention are not in it); then the int4 table: old against shipped, the
+speed-up, the fused kernel against the dequantising path (the threshold's check) and the floor.
+``--sweep`` also times every candidate launch configuration of the Triton kernels (the first use of
+a shape picks the fastest by itself).
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import argparse
 import math
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from fovea.engine.kernels import quant_matmul as qm
 from fovea.engine.kernels.fp8_quantize import quantize_per_token, quantize_per_token_group
-from fovea.testing.tolerance import reduction_atol
+from fovea.testing.tolerance import eps, reduction_atol
 
 COPY_TBS = 4.2  # measured copy bandwidth of one H200 (device KINDS.md), TB/s
 BF16_TFLOPS = 790.0  # measured dense bf16 matrix rate
@@ -46,7 +60,9 @@ FP8_TFLOPS = 1580.0  # twice bf16 (fp8 tensor-core rate), not measured here
 STREAMED_BYTES = 384 * 1024 * 1024  # weight bytes per graph: several times the L2
 GROUP = 128
 BLOCK = (128, 128)
-IMPLS = ("bf16", "fp8_scaled_mm", "fp8_triton", "fp8_block", "int4")
+IMPLS = ("bf16", "fp8_scaled_mm", "fp8_triton", "fp8_block", "int4_old", "int4_fused", "int4_dq", "int4",
+         "int4_dqk")
+INT4 = tuple(i for i in IMPLS if i.startswith("int4"))
 
 MODELS = {  # name -> (layers, {linear: (N, K)})
     "7b": (28, {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (2 * 18944, 3584), "down": (3584, 18944)}),
@@ -97,11 +113,23 @@ def weight_bytes(impl: str, n: int, k: int) -> int:
         return n * k + 4 * n
     if impl == "fp8_block":
         return n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
+    if impl == "int4_dqk":  # the dequantiser: reads the int4 weight, writes it in bf16
+        return n * k // 2 + 2 * 2 * n * (k // GROUP) + 2 * n * k
     return n * k // 2 + 2 * 2 * n * (k // GROUP)  # codes, bf16 scales and zeros
 
 
 def flop_rate(impl: str) -> float:
     return FP8_TFLOPS if impl.startswith("fp8") else BF16_TFLOPS
+
+
+_SCRATCH: dict[str, torch.Tensor] = {}  # one dequantisation buffer, as the engine holds one for all layers
+
+
+def scratch(n: int, k: int) -> torch.Tensor:
+    buf = _SCRATCH.get("bf16")
+    if buf is None or buf.numel() < n * k:
+        buf = _SCRATCH["bf16"] = torch.empty(n * k, dtype=torch.bfloat16, device="cuda")
+    return buf
 
 
 def call(impl: str, x: torch.Tensor, wt: Weights, config=None):
@@ -116,7 +144,18 @@ def call(impl: str, x: torch.Tensor, wt: Weights, config=None):
         return qm.fp8_linear(x, wt.fp8, wt.fp8_scale, impl="triton")
     if impl == "fp8_block":
         return qm.fp8_block_linear(x, wt.fp8b, wt.fp8b_scale, BLOCK, config=config)
-    return qm.int4_linear(x, wt.packed, wt.scales, wt.zeros, GROUP, config=config)
+    n, k = wt.w.shape
+    if impl == "int4_old" and config is None:
+        key = ("int4-shift", qm._m_bucket(x.shape[0]), n, k, GROUP, str(x.dtype), True)
+        config = qm._choose(key, qm.int4_candidates(x.shape[0], GROUP, "shift"),
+                            lambda c: qm.int4_gemm(x, wt.packed, wt.scales, wt.zeros, GROUP, None, c))
+    if impl in ("int4_old", "int4_fused"):
+        return qm.int4_linear(x, wt.packed, wt.scales, wt.zeros, GROUP, config=config, impl="fused")
+    if impl == "int4_dq":
+        return qm.int4_linear(x, wt.packed, wt.scales, wt.zeros, GROUP, impl="dequant", scratch=scratch(n, k))
+    if impl == "int4_dqk":
+        return qm.int4_dequantize(wt.packed, wt.scales, wt.zeros, GROUP, scratch(n, k))
+    return qm.int4_linear(x, wt.packed, wt.scales, wt.zeros, GROUP, config=config, scratch=scratch(n, k))
 
 
 def graph_time(fn, copies: int, reps: int) -> float:
@@ -160,6 +199,13 @@ def torch_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
 
 def check(impl: str, x: torch.Tensor, wt: Weights, failures: list[str], label: str) -> None:
     n, k = wt.w.shape
+    if impl == "int4_dqk":  # (q - z) * s in float32, rounded once to bf16: bit for bit
+        got = call(impl, x, wt)
+        s = wt.scales.float().t().repeat_interleave(GROUP, 1)
+        z = wt.zeros.float().t().repeat_interleave(GROUP, 1)
+        if not torch.equal(got, ((wt.codes.float() - z) * s).t().bfloat16()):
+            failures.append(f"{label} {impl}: the dequantised weight differs from its definition")
+        return
     y = call(impl, x, wt).float()
     rows = torch.unique(torch.cat([torch.tensor([0, x.shape[0] - 1]),
                                    torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:62]]))
@@ -186,6 +232,11 @@ def check(impl: str, x: torch.Tensor, wt: Weights, failures: list[str], label: s
         ref = xr.float() @ ((wt.codes.float() - z) * s).t()
     got = y[rows]
     atol = reduction_atol(torch.float32, k, float(ref.abs().max()), storage=torch.bfloat16)
+    if impl == "int4_dq" or (impl == "int4" and x.shape[0] >= qm.INT4_DEQUANT_MIN_ROWS):
+        # the weight rounded once to bf16 before the product: at most eps/2 of each |x_k w_k|
+        w = ((wt.codes.float() - wt.zeros.float().t().repeat_interleave(GROUP, 1))
+             * wt.scales.float().t().repeat_interleave(GROUP, 1))
+        atol += eps(torch.bfloat16) / 2 * float((xr.float().abs() @ w.abs().t()).max())
     err = float((got - ref).abs().max())
     if not err <= atol:
         failures.append(f"{label} {impl}: max error {err:.3g} > {atol:.3g}")
@@ -208,7 +259,8 @@ def check_symmetric_int4(x: torch.Tensor, wt: Weights, failures: list[str], labe
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["7b", "72b", "all"], default="all")
-    p.add_argument("--rows", default="1,8,64,256,2048", help="comma-separated row counts (tokens)")
+    p.add_argument("--rows", default="1,8,64,128,256,1275,2048",
+                   help="comma-separated row counts (tokens; 1275: one 720p image's prefill)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-check", action="store_true", help="time only")
     p.add_argument("--sweep", action="store_true", help="also time every candidate configuration")
@@ -218,16 +270,44 @@ def parse_args(argv):
 
 def sweep(impl: str, x: torch.Tensor, wts: list[Weights], reps: int) -> None:
     rows = x.shape[0]
-    cands = qm.int4_candidates(rows, GROUP) if impl == "int4" else qm.fp8_candidates(rows)
+    cands = qm.int4_candidates(rows, GROUP) if impl.startswith("int4") else qm.fp8_candidates(rows)
     extra = [qm.GemmConfig(c.block_m, c.block_n, c.block_k, s, c.num_warps, c.num_stages)
              for c in cands[:1] for s in (1, 2, 4, 8) if c.split_k == 0]
     for c in cands + extra:
-        t = graph_time(lambda i, c=c: call(impl, x, wts[i], c), len(wts), reps)
+        t = graph_time(lambda i, c=c: call("int4_fused" if impl.startswith("int4") else impl, x, wts[i], c),
+                       len(wts), reps)
         print(f"      sweep {impl:<10} {c.describe():<28} {1e3 * t:8.4f} ms")
+
+
+def int4_table(models, rows_list, totals, floors) -> None:
+    """Per decoder step's linears: the old int4 kernel against what ships, and fused against dequantised."""
+    def ms(model, rows, impl):
+        t = totals.get((model, rows, impl))
+        return f"{1e3 * t:8.3f}" if t is not None else f"{'-':>8}"
+
+    if not any(key[2] in INT4 for key in totals):
+        return
+    print(f"\nint4 per decoder step (linears only), ms; shipped = fused below {qm.INT4_DEQUANT_MIN_ROWS} rows, "
+          "dequant + cuBLAS from it:")
+    print(f"{'model':<5} {'M':>5} {'old':>8} {'shipped':>8} {'speed-up':>8} {'fused':>8} {'dq+bf16':>8} "
+          f"{'faster':>7} {'bf16':>8} {'floor':>8} {'of floor':>8}")
+    for model in models:
+        for rows in rows_list:
+            old, new = totals.get((model, rows, "int4_old")), totals.get((model, rows, "int4"))
+            fused, dq = totals.get((model, rows, "int4_fused")), totals.get((model, rows, "int4_dq"))
+            floor = floors.get((model, rows, "int4")) or floors.get((model, rows, "int4_fused"))
+            up = f"{old / new:7.2f}x" if old and new else f"{'-':>8}"
+            faster = ("dq" if dq < fused else "fused") if fused and dq else "-"
+            best = min(t for t in (new, fused, dq) if t) if any((new, fused, dq)) else None
+            share = f"{100 * floor / best:7.1f}%" if floor and best else f"{'-':>8}"
+            print(f"{model:<5} {rows:>5} {ms(model, rows, 'int4_old')} {ms(model, rows, 'int4')} {up} "
+                  f"{ms(model, rows, 'int4_fused')} {ms(model, rows, 'int4_dq')} {faster:>7} "
+                  f"{ms(model, rows, 'bf16')} {1e3 * floor if floor else 0:8.3f} {share}")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    started = time.monotonic()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -260,7 +340,7 @@ def main(argv=None) -> int:
                     try:
                         if not args.no_check:
                             check(impl, x, base, failures, label)
-                            if impl == "int4" and rows == rows_list[0]:
+                            if impl == "int4_fused" and rows == rows_list[0]:
                                 check_symmetric_int4(x, base, failures, label)
                         wb, flops = weight_bytes(impl, n, k), 2.0 * rows * n * k
                         used = wts[:max(1, math.ceil(STREAMED_BYTES / wb))]
@@ -269,12 +349,13 @@ def main(argv=None) -> int:
                         failures.append(f"{label} {impl}: raised {type(e).__name__}: {e}")
                         print(f"    {impl:<14} raised {type(e).__name__}: {str(e)[:200]}")
                         continue
+                    flops = 0.0 if impl == "int4_dqk" else flops
                     floor = max(wb / (COPY_TBS * 1e12), flops / (flop_rate(impl) * 1e12))
                     totals[(model, rows, impl)] = totals.get((model, rows, impl), 0.0) + layers * t
                     floors[(model, rows, impl)] = floors.get((model, rows, impl), 0.0) + layers * floor
                     print(f"    {impl:<14} {1e3 * t:9.4f} ms  {wb / t / 1e12:6.2f} TB/s  {flops / t / 1e12:7.1f} TFLOP/s"
                           f"  floor {1e3 * floor:8.4f} ms ({100 * floor / t:5.1f}% of it)")
-                    if args.sweep and impl in ("int4", "fp8_triton", "fp8_block"):
+                    if args.sweep and impl in ("int4_fused", "fp8_triton", "fp8_block"):
                         sweep(impl, x, wts, args.reps)
                 chosen = {key: c.describe() for key, c in qm._CHOSEN.items() if key[1] == qm._m_bucket(rows)
                           and key[2] == n and key[3] == k}
@@ -291,6 +372,8 @@ def main(argv=None) -> int:
             cells = [f"{1e3 * totals[(model, rows, i)]:9.3f} [{1e3 * floors[(model, rows, i)]:7.3f}]"
                      if (model, rows, i) in totals else "-" for i in impls]
             print(f"{model:<5} {rows:>5} " + " ".join(f"{c:>20}" for c in cells))
+    int4_table(models, rows_list, totals, floors)
+    print(f"\n{time.monotonic() - started:.0f} s")
     if args.no_check:
         print("\nnot checked (--no-check)")
     elif failures:

@@ -127,3 +127,84 @@ def test_the_nvml_reading_of_a_machine_without_a_gpu_is_none():
         pytest.skip("this machine has a GPU")
 
     assert _nvml_handle(torch.device("cuda", 0)) is None  # no driver library here: the device-wide fallback
+
+
+def test_the_int4_scratch_is_a_line_of_its_own_sized_by_the_largest_int4_layer():
+    """The fused forward's int4 layers dequantise into one buffer (prefill): the largest of the
+    products it runs (q/k/v, o, gate/up, down), FP8 and plain layers not counted; the plan shows it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fovea.engine.memory.planner import SCRATCH, scratch_lines
+    from fovea.engine.model.quant_linear import int4_scratch_elements
+    from fovea.quant.weights import Fp8Weight, Int4Weight
+
+    def layer(gate_up_n):
+        return SimpleNamespace(qkv=Int4Weight.random(96, 64, 32), o=Int4Weight.random(64, 64, 32),
+                               gate_up=Int4Weight.random(gate_up_n, 64, 32), down=torch.zeros(64, 160),
+                               q=Int4Weight.random(4096, 64, 32))  # a row slice: the fused path never runs it
+    assert int4_scratch_elements([layer(256), layer(320)]) == 320 * 64
+    assert int4_scratch_elements([SimpleNamespace(qkv=Fp8Weight.random(96, 64), o=None, gate_up=None, down=None)]) == 0
+    assert scratch_lines(SimpleNamespace(int4_scratch=None)) == []
+    assert scratch_lines(SimpleNamespace()) == []
+    (line,) = scratch_lines(SimpleNamespace(int4_scratch=torch.empty(320 * 64, dtype=torch.bfloat16)))
+    assert line.name == SCRATCH and line.bytes == 2 * 320 * 64 and line.torch and "largest int4 layer" in line.how
+    budget = process_budget(H200, free=H200, held=0, utilization=0.9)
+    plan = plan_kv(budget, [*lines(), line], LLAVA7B_KV, "cuda:0", H200)
+    assert plan.line(SCRATCH).bytes == line.bytes and SCRATCH in plan.render()
+    assert plan.torch_cap_bytes == plan.planned_bytes - 300 * MiB  # in torch's cap: the allocator holds it
+
+
+QWEN72B_FP8 = {"hidden": 8192, "intermediate": 29568, "q_width": 64 * 128, "kv_width": 8 * 128, "dtype_bytes": 2}
+
+
+def test_prefill_activations_are_computed_from_the_shapes():
+    """Qwen2.5-VL-72B (hidden 8192, intermediate 29,568, 64 heads and 8 KV heads of 128), bf16
+    activations, FP8 per-channel products (a quantised byte and a float32 scale per row of the
+    down product's input): per token, 2 x (4 x 8192 + 2 x 8192 + 2 x 1024) held through the MLP,
+    plus the gate/up product and its SiLU (2 x 3 x 29,568), the larger of the two MLP moments."""
+    from fovea.engine.memory.plan import LMShape, prefill_activation_bytes
+
+    fp8 = LMShape(**QWEN72B_FP8, act_quant_bytes=1 + 4 / 29568)
+    per_token = 2 * (4 * 8192 + 2 * 8192 + 2 * 1024) + 2 * 3 * 29568
+    assert prefill_activation_bytes(32768, fp8) == 32768 * per_token  # 8.54 GiB for a 32k-token step
+    assert 8.5 * GiB < prefill_activation_bytes(32768, fp8) < 8.6 * GiB
+    assert prefill_activation_bytes(8192, fp8) * 4 == prefill_activation_bytes(32768, fp8)
+    # The down product's moment wins where the intermediate is narrow against the hidden size.
+    narrow = LMShape(hidden=4096, intermediate=1024, q_width=4096, kv_width=4096, dtype_bytes=2, act_quant_bytes=1)
+    assert prefill_activation_bytes(10, narrow) == 10 * (2 * (4 * 4096 + 4 * 4096) + 2 * 1024 + 1024 + 2 * 4096)
+
+
+def test_the_step_is_its_computed_activations_and_what_was_measured_beyond_them():
+    from fovea.engine.memory.plan import step_lines
+
+    act, step = step_lines(10 * GiB, 8 * GiB, 32768, "measured: two steps")
+    assert (act.name, act.bytes, step.name, step.bytes) == ("prefill activations", 8 * GiB, "step peak", 2 * GiB)
+    assert "32768 tokens" in act.how and act.torch and step.torch and "below" not in step.how
+    act, step = step_lines(3 * GiB, 8 * GiB, 32768, "measured: two steps")  # a profile that missed part of it
+    assert act.bytes + step.bytes == 8 * GiB and step.bytes == 0 and "below the computed line" in step.how
+    budget = process_budget(H200, free=H200, held=0, utilization=0.9)
+    plan = plan_kv(budget, [lines()[0], *step_lines(10 * GiB, 8 * GiB, 32768, "m"), lines()[2]], LLAVA7B_KV,
+                   "cuda:0", H200)
+    assert plan.line("prefill activations").bytes + plan.line("step peak").bytes == 10 * GiB
+
+
+def test_the_planner_reads_the_widths_off_the_language_model():
+    from types import SimpleNamespace
+
+    import torch
+
+    from fovea.engine.memory.planner import lm_shape
+    from fovea.quant.weights import Fp8Weight, Int4Weight
+
+    def llama(down):
+        return SimpleNamespace(layers=[SimpleNamespace(down=down)], embed=torch.zeros(10, 64, dtype=torch.bfloat16),
+                               num_heads=4, num_kv_heads=2, head_dim=16)
+    plain = lm_shape(llama(torch.zeros(64, 160)))
+    assert (plain.hidden, plain.intermediate, plain.q_width, plain.kv_width, plain.dtype_bytes,
+            plain.act_quant_bytes) == (64, 160, 64, 32, 2, 0.0)
+    assert lm_shape(llama(Fp8Weight.random(64, 160))).act_quant_bytes == 1 + 4 / 160
+    assert lm_shape(llama(Fp8Weight.random(64, 256, block=(128, 128)))).act_quant_bytes == 1 + 4 / 128
+    int4 = lm_shape(llama(Int4Weight.random(64, 256, 128)))
+    assert int4.intermediate == 256 and int4.act_quant_bytes == 0.0

@@ -299,6 +299,148 @@ def test_int4_sees_every_nibble_and_the_zeros():
     assert not torch.allclose(symmetric, base)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("per_nibble,fold", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("with_zeros", [True, False])
+def test_int4_gemm_magic_unpacking(dtype, per_nibble, fold, with_zeros):
+    """The codes made floats from their bits (one product per nibble position or not; the zero
+    points taken off each weight or off the accumulator) give the product of the dequantised
+    weight, split over K and not; rows 1 and 5 (decode). (Float32 activations never fold.)"""
+    from fovea.engine.kernels.quant_matmul import GemmConfig, int4_gemm
+
+    n, k, group = 40, 512, 128
+    packed, scales, zeros, w = make_int4(k, n, group, seed=40, with_zeros=with_zeros, dtype=dtype)
+    for rows, split in ((1, 0), (5, 1)):
+        x = rand(rows, k, seed=41 + rows, dtype=dtype)
+        bias = rand(n, seed=43, dtype=dtype) if split else None
+        config = GemmConfig(16, 32, 128, split, 4, 3, magic=True, per_nibble=per_nibble, fold=fold)
+        y = int4_gemm(x, packed, scales, zeros, group, bias, config)
+        ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
+        assert y.dtype == dtype
+        assert_close_for(y.float(), ref, torch.float32, k, storage=dtype if dtype != torch.float32 else None)
+
+
+def test_int4_candidates_keep_the_old_unpacking_and_fit_the_group():
+    from fovea.engine.kernels.quant_matmul import int4_candidates
+
+    for rows in (1, 8, 64, 256, 2048):
+        every = int4_candidates(rows, 128)
+        assert every[0].magic and any(c.fold for c in every)
+        assert [c for c in every if not c.magic] == int4_candidates(rows, 128, "shift")[:1]  # the old default stays
+        assert all(c.magic for c in int4_candidates(rows, 128, "magic"))
+    assert all(c.block_k == 32 and not c.per_nibble for c in int4_candidates(1, 32))
+    with pytest.raises(ValueError, match="unpack"):
+        int4_candidates(1, 128, "lop3")
+
+
+def test_the_choice_skips_a_candidate_that_cannot_run(monkeypatch):
+    """A candidate that fails (a tile past the GPU's shared memory) is logged and skipped; the
+    fastest of the others is kept. Only when none runs does the error surface."""
+    testing = pytest.importorskip("triton.testing")
+    from fovea.engine.kernels import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "_cannot_time", lambda: False)
+    monkeypatch.setattr(qm, "_CHOSEN", {})
+    monkeypatch.setattr(testing, "do_bench", lambda fn, warmup, rep: fn())
+    cands = [qm.GemmConfig(16, 64, 128), qm.GemmConfig(16, 32, 128), qm.GemmConfig(16, 128, 128)]
+
+    def launch(c):
+        if c.block_n == 64:
+            raise RuntimeError("out of resources: shared memory")
+        return {32: 2.0, 128: 1.0}[c.block_n]
+    assert qm._choose(("int4", 1), cands, launch) == cands[2]
+    with pytest.raises(RuntimeError, match="out of resources"):
+        qm._choose(("int4", 2), [cands[0], cands[0]], launch)  # (one candidate alone is not timed)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_zeros", [True, False])
+def test_int4_dequantize_is_the_weight_rounded_once(dtype, with_zeros):
+    """The Triton dequantiser computes (q - z) * s in float32, as the reference does, and rounds
+    once to the dtype: bit for bit the reference weight, into a flat scratch buffer's front."""
+    from fovea.engine.kernels.quant_matmul import int4_dequantize
+
+    n, k, group = 200, 256, 64  # N not a multiple of the 128-column tile
+    packed, scales, zeros, w = make_int4(k, n, group, seed=44, with_zeros=with_zeros, dtype=dtype)
+    scratch = torch.full((k * n + 77,), -1.0, dtype=dtype, device=DEVICE)
+    got = int4_dequantize(packed, scales, zeros, group, scratch)
+    assert got.shape == (k, n) and got.data_ptr() == scratch.data_ptr()
+    assert torch.equal(got, w.t().to(dtype))
+    assert torch.equal(scratch[k * n:], torch.full((77,), -1.0, dtype=dtype, device=DEVICE))  # nothing past it
+    with pytest.raises(ValueError, match="needs"):
+        int4_dequantize(packed, scales, zeros, group, scratch[:k * n - 1])
+    with pytest.raises(ValueError, match="needs"):
+        int4_dequantize(packed, scales, zeros, group, torch.empty(k * n, dtype=torch.float16, device=DEVICE))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_linear_takes_the_dequantising_path_from_the_threshold(dtype, monkeypatch):
+    """From INT4_DEQUANT_MIN_ROWS rows (lowered here: the interpreter is slow) the weight is
+    dequantised into the caller's scratch buffer and multiplied by torch. Its error bound: the
+    float32 sums' (as the fused kernel), plus the weight's one rounding to the dtype, at most
+    eps(dtype) / 2 of each |x_k w_k| term."""
+    from fovea.engine.kernels import quant_matmul
+    from fovea.testing.tolerance import eps, reduction_atol
+
+    monkeypatch.setattr(quant_matmul, "INT4_DEQUANT_MIN_ROWS", 4)
+    n, k, group = 72, 256, 128
+    packed, scales, zeros, w = make_int4(k, n, group, seed=45, with_zeros=True, dtype=dtype)
+    scratch = torch.zeros(k * n, dtype=dtype, device=DEVICE)
+    calls = []
+    real = quant_matmul.int4_dequantize
+    monkeypatch.setattr(quant_matmul, "int4_dequantize", lambda *a: calls.append(a[-1]) or real(*a))
+    for rows, path in ((3, "fused"), (4, "dequant"), (9, "dequant")):
+        x = rand(rows, k, seed=46 + rows, dtype=dtype)
+        bias = rand(n, seed=47, dtype=dtype)
+        calls.clear()
+        y = quant_matmul.int4_linear(x, packed, scales, zeros, group, bias, scratch=scratch)
+        assert bool(calls) == (path == "dequant") and all(c is scratch for c in calls)
+        ref = x.float() @ w.t() + bias.float()
+        rounding = eps(dtype) / 2 * (x.float().abs() @ w.abs().t())
+        storage = dtype if dtype != torch.float32 else None
+        atol = reduction_atol(torch.float32, k, float(ref.abs().max()), storage=storage)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        excess = (y.float() - ref).abs() - rounding - atol
+        assert excess.max() <= 0, f"{path}: beyond the bound by {excess.max():.3g}"
+    assert torch.equal(scratch.view(k, n), w.t().to(dtype))  # the last call's weight, in the scratch
+    # Forced either way, with no scratch (a temporary), the same results within the bound
+    x = rand(6, k, seed=48, dtype=dtype)
+    fused = quant_matmul.int4_linear(x, packed, scales, zeros, group, impl="fused").float()
+    dequant = quant_matmul.int4_linear(x, packed, scales, zeros, group, impl="dequant").float()
+    bound = eps(dtype) / 2 * (x.float().abs() @ w.abs().t()) + 2 * reduction_atol(
+        torch.float32, k, float(fused.abs().max()), storage=dtype if dtype != torch.float32 else None)
+    assert ((fused - dequant).abs() <= bound).all()
+    with pytest.raises(ValueError, match="impl"):
+        quant_matmul.int4_linear(x, packed, scales, zeros, group, impl="cublas")
+
+
+@needs_triton
+def test_the_start_up_check_runs_both_int4_paths(monkeypatch):
+    """The quantized layers' start-up check runs the int4 layers on few rows (the fused kernel) and
+    on INT4_DEQUANT_MIN_ROWS rows (the dequantiser and torch's matmul), and notices either wrong."""
+    from types import SimpleNamespace
+
+    from fovea.engine.kernels import quant_matmul
+    from fovea.engine.model.quant_linear import quantized_kernels_problem
+    from fovea.quant.weights import Int4Weight
+
+    monkeypatch.setattr(quant_matmul, "INT4_DEQUANT_MIN_ROWS", 16)  # the interpreter is slow
+    gen = torch.Generator().manual_seed(50)
+    layers = [SimpleNamespace(qkv=Int4Weight.random(48, 128, 32, symmetric=False, generator=gen).to(DEVICE),
+                              down=Int4Weight.random(32, 64, 32, generator=gen).to(DEVICE))]
+    real = quant_matmul.int4_dequantize
+    calls = []
+    monkeypatch.setattr(quant_matmul, "int4_dequantize", lambda *a: calls.append(1) or real(*a))
+    assert quantized_kernels_problem(layers, torch.bfloat16, DEVICE) is None
+    assert len(calls) == 2  # q/k/v and down, once each
+    monkeypatch.setattr(quant_matmul, "int4_dequantize", lambda *a: real(*a).mul_(1.1))
+    problem = quantized_kernels_problem(layers, torch.bfloat16, DEVICE)
+    assert problem is not None and "qkv (16 rows): relative error" in problem
+
+
 def test_int4_torch_path(monkeypatch):
     from fovea.engine.kernels import quant_matmul
 
@@ -338,3 +480,21 @@ if torch.cuda.is_available():
         again = [f() for f in calls]
         for got, want, before in zip(outs, again, eager, strict=True):
             assert torch.equal(got, want) and not torch.equal(got, before)
+
+    def test_the_dequantising_int4_path_replays_in_a_cuda_graph_into_its_scratch():
+        from fovea.engine.kernels.quant_matmul import INT4_DEQUANT_MIN_ROWS, int4_linear
+
+        n, k, group = 256, 512, 128
+        packed, scales, zeros, _ = make_int4(k, n, group, seed=33, with_zeros=True, dtype=torch.bfloat16)
+        scratch = torch.empty(k * n, dtype=torch.bfloat16, device=DEVICE)
+        x = rand(INT4_DEQUANT_MIN_ROWS, k, seed=34, dtype=torch.bfloat16)
+        eager = int4_linear(x, packed, scales, zeros, group, scratch=scratch)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = int4_linear(x, packed, scales, zeros, group, scratch=scratch)
+        x.copy_(rand(INT4_DEQUANT_MIN_ROWS, k, seed=35, dtype=torch.bfloat16))
+        scratch.zero_()  # what another layer would leave there
+        graph.replay()
+        torch.cuda.synchronize()
+        again = int4_linear(x, packed, scales, zeros, group, scratch=scratch)
+        assert torch.equal(out, again) and not torch.equal(out, eager)

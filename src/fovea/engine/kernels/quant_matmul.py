@@ -20,10 +20,13 @@ What runs where:
 - ``fp8_block_linear``: the Triton kernel with per-token-group activation scales (the group is the
   weight block's K width): each K tile's product is scaled by a_scale[m] * w_scale[n // bn] before
   it is accumulated. Without a kernel: the same in torch.
-- ``int4_linear``: one Triton kernel, split over K for few rows (decode reads 0.5 byte per weight;
-  the split keeps every SM busy), tiled for many. Each K tile (inside one group) is
-  dot(x, q - z) in the activation dtype (exact: small integers), accumulated in float32 times the
-  group's scale. Without a kernel: the weight dequantised in float32, then one product.
+- ``int4_linear``: below ``INT4_DEQUANT_MIN_ROWS`` rows one Triton kernel, split over K for few
+  rows (decode reads 0.5 byte per weight; the split keeps every SM busy), tiled for more. Each K
+  tile (inside one group) is dot(x, q - z) in the activation dtype (exact: small integers; the
+  codes made floats from their bits or by conversion, whichever timed faster), accumulated in
+  float32 times the group's scale. From that many rows (prefill): the weight dequantised by a
+  Triton kernel into a scratch buffer the caller holds (one for all layers), then torch's matmul.
+  Without a kernel: the weight dequantised in float32, then one product.
 
 Launch configurations are chosen per (kind, row bucket, N, K, group, dtype) on first use on a GPU by
 timing a few candidates (``AUTOTUNE``); under the interpreter or a graph capture the first candidate
@@ -36,6 +39,7 @@ reference, and time, with ``python3 bench/quant_matmul.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -55,6 +59,20 @@ log = logging.getLogger("fovea.engine.paged")
 DEFAULT_SMS = 132  # H100/H200; used where no CUDA device can be asked
 SMALL_M = 16  # at most this many rows: the matrix-vector (decode) configurations
 MAX_SPLIT_K = 16
+# From this many rows on, ``int4_linear`` dequantises the weight into a scratch buffer in the
+# activation dtype (``int4_dequantize``) and calls torch's matmul, instead of the fused kernel.
+# Per weight, on the H200 (4.2 TB/s copy, 790 dense bf16 TFLOP/s):
+#   dequantise + cuBLAS: 2.5 B / 4.2 TB/s (read 0.5, write 2) + max(2 B / 4.2 TB/s, 2 M / 790 TFLOP/s)
+#                        = 0.595 ps + max(0.476 ps, 0.00253 M ps)
+#   fused:               max(0.5 B / 4.2 TB/s, 2 M / (f * 790 TFLOP/s)), where f, the fused kernel's
+#                        fraction of the tensor cores' rate at many rows, was 0.26 (bench/quant_matmul.py,
+#                        2026-12-03: 20.7 and 130.6 ms per 7B step at 256 and 2,048 rows, cuBLAS 5.1, 34.5)
+#                        = 0.00974 M ps
+# The two meet at M = 1.071 / 0.00974 = 110 rows; the first power of two above is 128 (and 128 rows
+# cost the detour 1.07 ps against 1.25). A better fused kernel (larger f) moves it up: at f = 0.5,
+# M = 235. bench/quant_matmul.py times both (int4_fused, int4_dq) on every shape to confirm it.
+INT4_DEQUANT_MIN_ROWS = 128
+INT4_IMPLS = ("fused", "dequant", "torch")
 AUTOTUNE = True  # time the candidate configurations of a new shape on first use (CUDA only)
 FP8_IMPLS = ("scaled_mm", "triton", "torch")
 
@@ -67,11 +85,16 @@ class GemmConfig:
     split_k: int = 1  # 0: automatic (enough programs for every SM), only where the rows are few
     num_warps: int = 4
     num_stages: int = 3
+    magic: bool = False  # int4: codes made floats from their bits, not converted (the kernel's comment)
+    per_nibble: bool = False  # int4: one product per nibble position, no reshape (block_k >= 128)
+    fold: bool = False  # int4 with magic, bf16/fp16: the zero points taken off the accumulator, not each weight
 
     def describe(self) -> str:
         split = "auto" if self.split_k == 0 else str(self.split_k)
+        unpack = "".join(f" {name}" for name, on in (("magic", self.magic), ("nibbles", self.per_nibble),
+                                                       ("fold", self.fold)) if on)
         return (f"{self.block_m}x{self.block_n}x{self.block_k} split={split} "
-                f"w{self.num_warps}s{self.num_stages}")
+                f"w{self.num_warps}s{self.num_stages}{unpack}")
 
 
 @functools.cache
@@ -168,9 +191,25 @@ def _kernels():
                          GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                         UPCAST: tl.constexpr):
+                         UPCAST: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,
+                         PER_NIBBLE: tl.constexpr, FOLD: tl.constexpr):
         # C[m, n] = sum_k A[m, k] (q[k, n] - z[g, n]) s[g, n], g = k // GROUP; K % BLOCK_K == 0 and
         # GROUP % BLOCK_K == 0, so every K tile is whole and lies in one group.
+        # Unpacking a code q (0..15) into the activation dtype (written out twice below: triton's
+        # interpreter does not see a jit helper defined in ``_kernels``, and the module imports triton lazily):
+        # - MAGIC_BITS 0: (word >> 4j) & 0xF, converted int -> float32, minus z, converted to the dtype
+        #   (two conversion instructions per weight, at a quarter of the integer and float rates);
+        # - MAGIC_BITS b (b the bits of the float MAGIC, 2^7 in bf16, 2^10 in fp16, 2^23 in fp32, whose
+        #   last mantissa bit is 1): ((word >> 4j) & 0xF) | b reinterpreted as the dtype is MAGIC + q
+        #   exactly, and (MAGIC + q) - (MAGIC + z) = q - z exactly; no conversion instruction;
+        # - FOLD (bf16/fp16 only): no subtraction per weight: the tile's product with MAGIC + q, less
+        #   (MAGIC + z[n]) times the sum of the tile's activations of each row. The products a (MAGIC + q)
+        #   are exact in float32 (8 + 8 or 11 + 11 significant bits); the float32 sums carry terms up to
+        #   MAGIC + 15 times larger than q - z, a relative 2^-24 * 1039 < 2^-13 of them, below fp16's
+        #   output rounding (2^-11) and far below bf16's (2^-8).
+        # PER_NIBBLE: nibble j of the packed rows [BLOCK_K / 8, BLOCK_N] is multiplied by the
+        # activation columns 8i + j (a strided load of a few rows) in its own product, so the codes are
+        # never reshaped across registers (needs BLOCK_K / 8 >= 16, the product's smallest K).
         pid = tl.program_id(0)
         split = tl.program_id(1)
         num_m = tl.cdiv(M, BLOCK_M)
@@ -182,32 +221,78 @@ def _kernels():
         pid_n = (pid % width) // size_m
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
         offs_p = tl.arange(0, BLOCK_K // 8)
         shifts = tl.arange(0, 8) * 4
         m_ok = offs_m < M
         n_ok = offs_n < N
         k_start = split * k_split
         k_end = tl.minimum(k_start + k_split, K)
-        a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + (k_start + offs_k)[None, :]
+        dt = A.dtype.element_ty
+        if PER_NIBBLE:  # column 8i of the tile; nibble j reads column 8i + j
+            a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + (k_start + 8 * offs_p)[None, :]
+        else:
+            a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + (k_start + tl.arange(0, BLOCK_K))[None, :]
         p_ptrs = P + (k_start // 8 + offs_p).to(tl.int64)[:, None] * stride_pk + offs_n[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
             p = tl.load(p_ptrs, mask=n_ok[None, :], other=0, eviction_policy="evict_first")
-            # [BLOCK_K / 8, 8, BLOCK_N] nibbles -> [BLOCK_K, BLOCK_N]: row 8i + j is nibble j of row i
-            q = tl.reshape((p[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
             g = k0 // GROUP
             s = tl.load(S + g * stride_sk + offs_n, mask=n_ok, other=0.0).to(tl.float32)
             if HAS_ZEROS:
                 z = tl.load(Z + g * stride_zk + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-                w = q.to(tl.float32) - z[None, :]
             else:
-                w = q.to(tl.float32) - 8.0
-            if UPCAST:  # the interpreter multiplies bf16 tiles as their integer bit patterns
-                acc += tl.dot(a.to(tl.float32), w, input_precision="ieee") * s[None, :]
+                z = tl.full([BLOCK_N], 8.0, tl.float32)
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            a_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            if PER_NIBBLE:
+                for j in tl.static_range(8):
+                    a = tl.load(a_ptrs + j, mask=m_ok[:, None], other=0.0)
+                    q = (p >> (4 * j)) & 0xF
+                    if MAGIC_BITS == 0:
+                        w = (q.to(tl.float32) - z[None, :]).to(dt)
+                    else:
+                        bits = q | MAGIC_BITS
+                        if dt != tl.float32:
+                            bits = bits.to(tl.int16)
+                        w = bits.to(dt, bitcast=True)
+                        if UPCAST:  # (the interpreter's bf16 arithmetic is on bit patterns; exact either way)
+                            w = w.to(tl.float32)
+                            if not FOLD:
+                                w = w - (z + MAGIC)[None, :]
+                        elif not FOLD:
+                            w = w - (z + MAGIC).to(dt)[None, :]  # MAGIC + z and the difference: exact
+                    if UPCAST:  # the interpreter multiplies bf16 tiles as their integer bit patterns
+                        part += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                    else:
+                        part += tl.dot(a, w, input_precision=PRECISION)
+                    if FOLD:
+                        a_sum += tl.sum(a.to(tl.float32), axis=1)
             else:
-                acc += tl.dot(a, w.to(A.dtype.element_ty), input_precision=PRECISION) * s[None, :]
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                # [BLOCK_K / 8, 8, BLOCK_N] nibbles -> [BLOCK_K, BLOCK_N]: row 8i + j is nibble j of row i
+                q = tl.reshape((p[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+                if MAGIC_BITS == 0:
+                    w = (q.to(tl.float32) - z[None, :]).to(dt)
+                else:
+                    bits = q | MAGIC_BITS
+                    if dt != tl.float32:
+                        bits = bits.to(tl.int16)
+                    w = bits.to(dt, bitcast=True)
+                    if UPCAST:
+                        w = w.to(tl.float32)
+                        if not FOLD:
+                            w = w - (z + MAGIC)[None, :]
+                    elif not FOLD:
+                        w = w - (z + MAGIC).to(dt)[None, :]
+                if UPCAST:
+                    part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(a, w, input_precision=PRECISION)
+                if FOLD:
+                    a_sum = tl.sum(a.to(tl.float32), axis=1)
+            if FOLD:
+                part -= a_sum[:, None] * (z + MAGIC)[None, :]
+            acc += part * s[None, :]
             a_ptrs += BLOCK_K
             p_ptrs += (BLOCK_K // 8) * stride_pk
         c_ptrs = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -218,6 +303,39 @@ def _kernels():
             if HAS_BIAS:
                 acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(C + c_ptrs, acc.to(C.dtype.element_ty), mask=c_ok)
+
+    @triton.jit
+    def int4_dequant_kernel(P, S, Z, W, N, stride_pk, stride_sk, stride_zk, stride_wk,
+                            GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr,
+                            BLOCK_N: tl.constexpr, ROUND_BF16: tl.constexpr):
+        # W[k, n] = (q[k, n] - z[g, n]) s[g, n] in W's dtype, one [BLOCK_K, BLOCK_N] tile per program
+        # (GROUP % BLOCK_K == 0: one row of scales and zeros). The packed rows [BLOCK_K / 8, BLOCK_N]
+        # are read once; nibble j of each is written to row 8i + j, one [BLOCK_K / 8, BLOCK_N] slab at
+        # a time (no reshape across registers); every row is BLOCK_N contiguous elements, as read.
+        pid_k = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_p = pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        p = tl.load(P + offs_p.to(tl.int64)[:, None] * stride_pk + offs_n[None, :], mask=n_ok[None, :], other=0,
+                    eviction_policy="evict_first")
+        g = (pid_k * BLOCK_K) // GROUP
+        s = tl.load(S + g * stride_sk + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(Z + g * stride_zk + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        else:
+            z = tl.full([BLOCK_N], 8.0, tl.float32)
+        zm = z + 8388608.0
+        w_ptrs = W + (8 * offs_p).to(tl.int64)[:, None] * stride_wk + offs_n[None, :]
+        for j in tl.static_range(8):
+            q = (p >> (4 * j)) & 0xF
+            # 2^23 + q from its bits (no int -> float conversion), then exact integer arithmetic in float32
+            w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zm[None, :]) * s[None, :]
+            if ROUND_BF16:  # the interpreter's float32 -> bf16 cast truncates: round to nearest even first
+                bits = w.to(tl.int32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+                w = bits.to(tl.float32, bitcast=True)
+            tl.store(w_ptrs + j * stride_wk, w.to(W.dtype.element_ty), mask=n_ok[None, :])
 
     @triton.jit
     def split_sum_kernel(WS, BIAS, C, N, splits, stride_ws, stride_wm, stride_cm,
@@ -234,7 +352,7 @@ def _kernels():
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(C + m * stride_cm + offs_n, acc.to(C.dtype.element_ty), mask=n_ok)
 
-    return fp8_gemm_kernel, int4_gemm_kernel, split_sum_kernel
+    return fp8_gemm_kernel, int4_gemm_kernel, split_sum_kernel, int4_dequant_kernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,19 +375,44 @@ def fp8_candidates(rows: int, block_k_max: int = 128) -> list[GemmConfig]:
     return [GemmConfig(128, 128, bk, 1, 8, 3), GemmConfig(128, 256, bk, 1, 8, 3), GemmConfig(64, 128, bk, 1, 4, 4)]
 
 
-def int4_candidates(rows: int, group: int) -> list[GemmConfig]:
-    """The configurations timed for an int4 product (block_k is cut to divide the group)."""
+def int4_candidates(rows: int, group: int, unpack: str = "all") -> list[GemmConfig]:
+    """The configurations timed for an int4 product (block_k is cut to divide the group; per-nibble
+    products only where block_k stays 128). ``unpack``: "all" (the magic-number unpacking, and the
+    old default beside it), "shift" (the int -> float conversion of the codes: the candidates of
+    before 2026-12-03) or "magic"."""
+    def magic(bm, bn, bk, split, warps, stages, nibbles=False, fold=False):
+        return GemmConfig(bm, bn, bk, split, warps, stages, magic=True, per_nibble=nibbles, fold=fold)
+
     if rows <= SMALL_M:
-        configs = [GemmConfig(16, 64, 128, 0, 4, 4), GemmConfig(16, 128, 128, 0, 4, 3),
-                   GemmConfig(16, 32, 128, 0, 2, 5), GemmConfig(16, 64, 64, 0, 4, 5)]
+        shift = [GemmConfig(16, 64, 128, 0, 4, 4), GemmConfig(16, 128, 128, 0, 4, 3),
+                 GemmConfig(16, 32, 128, 0, 2, 5), GemmConfig(16, 64, 64, 0, 4, 5)]
+        # A GEMV is bound by the unpacking's instructions more than by the bytes (the old kernel read
+        # at 19-26% of the copy bandwidth): magic unpacking, with and without the zeros folded, a few
+        # tile shapes, per-nibble products, and a deeper pipeline (more bytes in flight).
+        fast = [magic(16, 64, 128, 0, 4, 4), magic(16, 64, 128, 0, 4, 4, fold=True),
+                magic(16, 128, 128, 0, 4, 3), magic(16, 128, 128, 0, 4, 3, fold=True),
+                magic(16, 64, 128, 0, 4, 4, nibbles=True), magic(16, 64, 128, 0, 4, 4, nibbles=True, fold=True),
+                magic(16, 32, 128, 0, 2, 5), magic(16, 64, 128, 0, 4, 6, fold=True)]
     elif rows <= 64:
-        configs = [GemmConfig(32, 128, 64, 0, 4, 4), GemmConfig(64, 64, 64, 0, 4, 4), GemmConfig(16, 128, 128, 0, 4, 3)]
+        shift = [GemmConfig(32, 128, 64, 0, 4, 4), GemmConfig(64, 64, 64, 0, 4, 4), GemmConfig(16, 128, 128, 0, 4, 3)]
+        fast = [magic(32, 128, 64, 0, 4, 4), magic(32, 128, 64, 0, 4, 4, fold=True), magic(64, 64, 64, 0, 4, 4),
+                magic(16, 128, 128, 0, 4, 3, fold=True), magic(32, 128, 128, 0, 4, 3, nibbles=True)]
     elif rows <= 256:
-        configs = [GemmConfig(64, 128, 64, 1, 4, 4), GemmConfig(128, 128, 64, 1, 8, 3), GemmConfig(64, 64, 64, 1, 4, 4)]
+        shift = [GemmConfig(64, 128, 64, 1, 4, 4), GemmConfig(128, 128, 64, 1, 8, 3), GemmConfig(64, 64, 64, 1, 4, 4)]
+        fast = [magic(64, 128, 64, 1, 4, 4), magic(128, 128, 64, 1, 8, 3), magic(128, 128, 64, 1, 8, 3, fold=True)]
     else:
-        configs = [GemmConfig(128, 128, 64, 1, 8, 3), GemmConfig(128, 256, 64, 1, 8, 3), GemmConfig(64, 128, 64, 1, 4, 4)]
-    return [GemmConfig(c.block_m, c.block_n, _pow2_divisor(c.block_k, group), c.split_k, c.num_warps, c.num_stages)
-            for c in configs]
+        shift = [GemmConfig(128, 128, 64, 1, 8, 3), GemmConfig(128, 256, 64, 1, 8, 3), GemmConfig(64, 128, 64, 1, 4, 4)]
+        fast = [magic(128, 128, 64, 1, 8, 3), magic(128, 256, 64, 1, 8, 3), magic(128, 128, 64, 1, 8, 3, fold=True)]
+    if unpack not in ("all", "shift", "magic"):
+        raise ValueError(f"unpack must be all, shift or magic, got {unpack!r}")
+    configs = {"all": fast + shift[:1], "shift": shift, "magic": fast}[unpack]
+    out = []
+    for c in configs:
+        bk = _pow2_divisor(c.block_k, group)
+        if c.per_nibble and bk < 128:
+            continue
+        out.append(dataclasses.replace(c, block_k=bk))
+    return out
 
 
 def _pow2_divisor(want: int, group: int) -> int:
@@ -303,7 +446,17 @@ def _choose(key: tuple, candidates: list[GemmConfig], launch) -> GemmConfig:
         return candidates[0]
     import triton
 
-    times = [triton.testing.do_bench(lambda c=c: launch(c), warmup=5, rep=20) for c in candidates]
+    times, failed = [], []
+    for c in candidates:
+        try:
+            times.append(triton.testing.do_bench(lambda c=c: launch(c), warmup=5, rep=20))
+        except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile here (resources) is skipped
+            times.append(float("inf"))
+            failed.append(exc)
+            log.warning("%s: %s did not run (%s: %s); timing the others", key, c.describe(), type(exc).__name__,
+                        str(exc).splitlines()[0][:200] if str(exc) else "")
+    if len(failed) == len(candidates):
+        raise failed[0]
     best = min(range(len(candidates)), key=times.__getitem__)
     log.debug("%s: %s (%s)", key, candidates[best].describe(),
               ", ".join(f"{c.describe()} {1e3 * t:.1f} us" for c, t in zip(candidates, times, strict=True)))
@@ -480,6 +633,8 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
                                                                                bias, c))
     if group % config.block_k or config.block_k < 16 or config.block_k % 8:
         raise ValueError(f"block_k {config.block_k} must be >= 16 and divide the group {group}")
+    if config.per_nibble and config.block_k < 128:
+        raise ValueError(f"per-nibble products need block_k >= 128, got {config.block_k}")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
@@ -494,26 +649,91 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
         GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, PARTIAL=partial,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=interpreting() and x.dtype == torch.bfloat16,
+        MAGIC_BITS=_MAGIC[x.dtype][0] if config.magic else 0, MAGIC=_MAGIC[x.dtype][1],
+        PER_NIBBLE=config.per_nibble, FOLD=config.fold and config.magic and x.dtype != torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if partial:
         _finish(target, bias, out, splits)
     return out
 
 
+# dtype -> (bits, value) of the float whose last mantissa bit is 1: bits | q is the float value + q
+_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0), torch.float32: (0x4B000000, 8388608.0)}
+DEQUANT_BLOCK_N = 128
+
+
+def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """The Triton dequantiser: W^T [K, N] (N contiguous, as ``packed``) written into ``out``, a
+    [K, N] tensor of the scales' dtype (or a flat buffer of that dtype with at least K * N elements:
+    its first K * N are used). Returns the [K, N] view. Reads 0.5 and writes 2 (bf16) bytes per
+    weight, one [128 (or the group's power-of-two factor), 128] tile per program."""
+    k, n = packed.shape[0] * 8, packed.shape[1]
+    if out.dtype != scales.dtype or out.device != packed.device:
+        raise ValueError(f"the dequantised weight's buffer is {out.dtype} on {out.device}; the weight needs "
+                         f"{scales.dtype} on {packed.device}")
+    if out.shape != (k, n):
+        if not out.is_contiguous() or out.numel() < k * n:
+            raise ValueError(f"the dequantised weight's buffer holds {out.numel()} elements (contiguous: "
+                             f"{out.is_contiguous()}); a [{k}, {n}] weight needs {k * n}")
+        out = out.reshape(-1)[:k * n].view(k, n)
+    if packed.stride(1) != 1 or scales.stride(1) != 1 or (zeros is not None and zeros.stride(1) != 1):
+        raise ValueError("packed, scales and zeros must be contiguous along N")
+    block_k = _pow2_divisor(128, group)
+    if block_k < 16:
+        raise ValueError(f"the group {group} needs a power-of-two factor >= 16")
+    grid = (k // block_k, -(-n // DEQUANT_BLOCK_N))
+    _kernels()[3][grid](packed, scales, zeros if zeros is not None else scales, out, n, packed.stride(0),
+                        scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
+                        GROUP=group, HAS_ZEROS=zeros is not None, BLOCK_K=block_k, BLOCK_N=DEQUANT_BLOCK_N,
+                        ROUND_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=4)  # 16 weights a thread
+    return out
+
+
+def _int4_impl(x2: torch.Tensor, group: int, scratch: torch.Tensor | None) -> str:
+    if not (can_run_triton(x2) and _pow2_divisor(128, group) >= 16):
+        return "torch"
+    if x2.shape[0] < INT4_DEQUANT_MIN_ROWS:
+        return "fused"
+    # Inside a CUDA graph's capture only into the caller's scratch buffer (allocated outside the
+    # graph, used serially on the one stream): a temporary weight would be held by the graph's pool.
+    if scratch is None and x2.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "fused"
+    return "dequant"
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                group: int, bias: torch.Tensor | None = None, *, config: GemmConfig | None = None) -> torch.Tensor:
+                group: int, bias: torch.Tensor | None = None, *, config: GemmConfig | None = None,
+                impl: str | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T (+ bias) for a packed int4 weight: x [..., K] (bf16/fp16/fp32), ``packed`` int32
     [K // 8, N], ``scales`` and ``zeros`` (or None: symmetric, zero 8) [K // group, N] in x's dtype;
-    K % group == 0, group % 8 == 0, any N. The Triton kernel where one can run (the group must have
-    a power-of-two factor >= 16), else the weight dequantised in float32. Returns [..., N] in x's dtype."""
+    K % group == 0, group % 8 == 0, any N. Returns [..., N] in x's dtype.
+
+    ``impl`` (default: by the row count) is "fused" (the dequantising Triton kernel; fewer than
+    ``INT4_DEQUANT_MIN_ROWS`` rows), "dequant" (the weight dequantised by ``int4_dequantize`` into
+    ``scratch``, a flat buffer of x's dtype shared by all layers, or a temporary where there is none,
+    then torch's matmul) or "torch" (the weight dequantised in float32 by torch: where no Triton
+    kernel can run, or the group has no power-of-two factor >= 16)."""
     lead, k = x.shape[:-1], x.shape[-1]
     n = packed.shape[1]
     if k % group or group % 8 or packed.shape[0] * 8 != k or scales.shape != (k // group, n):
         raise ValueError(f"int4 weight: packed {tuple(packed.shape)}, scales {tuple(scales.shape)} and group {group} "
                          f"do not fit K = {k}")
     x2 = x.reshape(-1, k)
-    if can_run_triton(x2) and _pow2_divisor(128, group) >= 16:
+    impl = impl or _int4_impl(x2, group, scratch)
+    if impl not in INT4_IMPLS:
+        raise ValueError(f"impl must be one of {INT4_IMPLS}, got {impl!r}")
+    if impl == "fused":
         y = int4_gemm(x2, packed, scales, zeros, group, bias, config)
+    elif impl == "dequant":
+        buffer = scratch if scratch is not None else torch.empty((k, n), dtype=x.dtype, device=x.device)
+        w = int4_dequantize(packed, scales, zeros, group, buffer)
+        if bias is not None and bias.dtype == x.dtype:
+            y = torch.addmm(bias, x2, w)
+        else:
+            y = x2 @ w
+            if bias is not None:
+                y = (y.float() + bias.float()).to(x.dtype)
     else:
         y = x2.float() @ dequantize_int4(packed, scales, zeros, group).t()
         if bias is not None:

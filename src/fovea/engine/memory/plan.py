@@ -152,6 +152,44 @@ def runtime_line(reserved: tuple[int, int], own: tuple[int | None, int | None], 
                     f"also counts other processes' allocations meanwhile; +{allowance // MiB} MiB", torch=False)
 
 
+@dataclass(frozen=True, slots=True)
+class LMShape:
+    """What the language model's activations are made of: widths, and bytes per element."""
+
+    hidden: int
+    intermediate: int
+    q_width: int  # heads x head_dim
+    kv_width: int  # kv heads x head_dim
+    dtype_bytes: int
+    act_quant_bytes: float = 0.0  # per element of a quantised copy of a product's input (FP8: 1 + its scales)
+
+
+def prefill_activation_bytes(tokens: int, lm: LMShape) -> int:
+    """The language model's live activations at the worst point of one decoder layer of the fused
+    forward (``PagedLlama._forward_fused``) for a step of ``tokens`` tokens. Held through the MLP:
+    the residual stream, the normed input, q/k/v, the attention output, its projection and the
+    previous layer's MLP output (each [T, width], referenced until the next layer rebinds them); then
+    the larger of the gate/up product with its SiLU-and-multiply ([T, 2I] + [T, I]) and the down
+    product's input, its quantised copy and its output ([T, I] + [T, I] quantised + [T, H])."""
+    t, b = tokens, lm.dtype_bytes
+    held = t * b * (4 * lm.hidden + 2 * lm.q_width + 2 * lm.kv_width)
+    gate_up = t * b * 3 * lm.intermediate
+    down = int(t * (b * lm.intermediate + lm.act_quant_bytes * lm.intermediate + b * lm.hidden))
+    return held + max(gate_up, down)
+
+
+def step_lines(measured: int, activations: int, tokens: int, how_measured: str) -> list[PlanLine]:
+    """The worst step as two lines: the language model's prefill activations (computed from the
+    shapes, ``prefill_activation_bytes``) and what the measured peak holds beyond them (attention
+    and sampling temporaries, the vision batch, the overlapped step's outputs). Together they are
+    max(measured, computed): a profile that missed part of the arithmetic cannot plan below it."""
+    beyond = max(0, measured - activations)
+    note = "" if measured >= activations else f" (the measured {gib(measured)} was below the computed line)"
+    return [PlanLine("prefill activations", activations, f"computed: the language model's live tensors at one "
+                                                         f"layer's MLP for a step of {tokens} tokens"),
+            PlanLine("step peak", beyond, f"{how_measured}, beyond the prefill activations{note}")]
+
+
 def kv_tensor_bytes(blocks: int, per_block: int, tensors: int) -> int:
     """Bytes the allocator reserves for ``tensors`` KV tensors holding ``blocks`` blocks (+1
     scratch block each), each rounded up as torch's caching allocator does."""

@@ -35,19 +35,23 @@ from fovea.engine.kernels import triton_ops
 from fovea.engine.memory import tuning_cache
 from fovea.engine.memory.plan import (
     KVRequest,
+    LMShape,
     MemoryPlan,
     MemoryPlanError,
     MiB,
     PlanLine,
     gib,
     plan_kv,
+    prefill_activation_bytes,
     process_budget,
     runtime_line,
+    step_lines,
 )
 from fovea.engine.memory.profile import CudaMeter, measure, tensor_bytes
 from fovea.engine.memory.tuning_cache import TuningCache
 from fovea.engine.model.kv_cache import KVCache, KVShape
 from fovea.engine.sampling.logits_processors import penalise, penalty_slots, token_counts_bytes
+from fovea.quant.weights import Fp8Weight, Int4Weight
 from fovea.startup_clock import STARTUP
 
 if TYPE_CHECKING:
@@ -60,7 +64,8 @@ log = logging.getLogger("fovea.engine.paged")
 CPU_KV_BYTES = 256 * MiB  # the CPU KV cache unless --kv-cache-memory says otherwise
 RUNTIME_ALLOWANCE = 64 * MiB  # kernel modules the CUDA runtime may still load after start-up
 SAMPLED_ROWS = 8  # rows the profile samples with temperature and top-p (the rest greedy)
-HELD_WHILE_SIZING = ("weights", "engine tensors", "vision graphs")  # allocated when the KV cache is sized
+SCRATCH = "int4 dequant scratch"
+HELD_WHILE_SIZING = ("weights", SCRATCH, "engine tensors", "vision graphs")  # allocated when the KV cache is sized
 HELD = (*HELD_WHILE_SIZING, "decode graphs", "kv_cache")  # allocated once start-up is done
 
 
@@ -80,6 +85,28 @@ def host_available_bytes() -> int | None:
     except OSError:
         pass
     return None
+
+
+def lm_shape(llama) -> LMShape:
+    """``PagedLlama``'s widths for ``prefill_activation_bytes`` (FP8 layers quantise their inputs)."""
+    down = llama.layers[0].down
+    intermediate = down.in_features if isinstance(down, Fp8Weight | Int4Weight) else down.shape[1]
+    quant = 0.0
+    if isinstance(down, Fp8Weight):  # one byte per element, a float32 scale per row (and group)
+        quant = 1.0 + 4.0 / (down.block[1] if down.block is not None else intermediate)
+    return LMShape(hidden=llama.embed.shape[1], intermediate=intermediate, q_width=llama.num_heads * llama.head_dim,
+                   kv_width=llama.num_kv_heads * llama.head_dim, dtype_bytes=llama.embed.element_size(),
+                   act_quant_bytes=quant)
+
+
+def scratch_lines(llama) -> list[PlanLine]:
+    """The int4 dequantisation buffer the fused forward holds (``PagedLlama.int4_scratch``), if any."""
+    scratch = getattr(llama, "int4_scratch", None)
+    if scratch is None:
+        return []
+    return [PlanLine(SCRATCH, scratch.numel() * scratch.element_size(),
+                     f"the largest int4 layer's weight ({scratch.numel()} {str(scratch.dtype).removeprefix('torch.')}), "
+                     "dequantised there for products of many rows; one buffer for all layers")]
 
 
 class PlannedRunner(Protocol):
@@ -154,6 +181,9 @@ class Planner:
     def _weights(self) -> PlanLine:
         return PlanLine("weights", tensor_bytes(self.runner.loaded.model), "parameters and buffers of the loaded model")
 
+    def _scratch(self) -> list[PlanLine]:
+        return scratch_lines(self.runner.llama)
+
     def _plan_host(self) -> MemoryPlan:
         cfg = self.config
         if cfg.gpu_memory_utilization is not None:  # refused, not ignored: host memory is not shared out
@@ -172,7 +202,7 @@ class Planner:
             if available is not None and blocks * per_block > available:
                 raise MemoryPlanError(f"--kv-cache-memory {gib(kv_bytes)} is more than this host has available "
                                       f"({gib(available)}); lower it.")
-        lines = [self._weights(),
+        lines = [self._weights(), *self._scratch(),
                  PlanLine("kv_cache", (blocks + 1) * per_block, f"{blocks} blocks of {self.runner.block_size} tokens: "
                           f"{how}"), *self._caches()]
         return MemoryPlan(device=str(self.device), lines=lines, kv_blocks=blocks, block_size=self.runner.block_size,
@@ -180,7 +210,8 @@ class Planner:
 
     def _plan_fixed(self, how: str) -> MemoryPlan:
         blocks, per_block = self.config.num_blocks, self.shape.bytes_per_block
-        lines = [self._weights(), PlanLine("kv_cache", (blocks + 1) * per_block, how), *self._caches()]
+        lines = [self._weights(), *self._scratch(), PlanLine("kv_cache", (blocks + 1) * per_block, how),
+                 *self._caches()]
         return MemoryPlan(device=str(self.device), lines=lines, kv_blocks=blocks, block_size=self.runner.block_size,
                           budget_how=how)
 
@@ -194,8 +225,8 @@ class Planner:
         budget = process_budget(total, free0, own0 if own0 is not None else held0, cfg.gpu_memory_utilization,
                                 exact_kv=cfg.kv_cache_memory is not None)
         weights = self._weights()
-        lines = [weights]
-        tables = meter.allocated() - weights.bytes
+        lines = [weights, *self._scratch()]
+        tables = meter.allocated() - sum(line.bytes for line in lines)
         if tables > MiB:
             lines.append(PlanLine("engine tensors", tables, "rotary tables and other tensors held before the profile"))
         vision, step = self._profile_steps()
@@ -203,9 +234,10 @@ class Planner:
             lines.append(PlanLine("vision graphs", vision, "measured: CUDA graphs of the vision stage for "
                                   f"batches up to {cfg.vision_batch_size}"))
         rows = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        lines.append(PlanLine("step peak", step, f"measured: a vision batch of {cfg.vision_batch_size}, then two "
-                              f"overlapped steps of {cfg.max_num_batched_tokens} tokens sampling {rows} rows "
-                              "with log-probabilities"))
+        tokens = cfg.max_num_batched_tokens
+        lines += step_lines(step, prefill_activation_bytes(tokens, lm_shape(r.llama)), tokens,
+                            f"measured: a vision batch of {cfg.vision_batch_size}, then two overlapped steps of "
+                            f"{tokens} tokens sampling {rows} rows with log-probabilities")
         if r.decode_graphs_enabled:
             probe = KVCache(self.shape, 1, device)
             with STARTUP.phase("decode graphs (sizing)"):

@@ -15,6 +15,7 @@ Two executions of the same weights:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -24,7 +25,14 @@ import torch.nn.functional as F
 from fovea.engine.kernels import triton_ops
 from fovea.engine.model.attention import AttentionBackend, AttnMeta, attention, write_kv
 from fovea.engine.model.kv_cache import KVCache, KVShape
-from fovea.engine.model.quant_linear import fuse_weights, fused_linear, mixed_linear, torch_linear, weight_of
+from fovea.engine.model.quant_linear import (
+    fuse_weights,
+    fused_linear,
+    int4_scratch_elements,
+    mixed_linear,
+    torch_linear,
+    weight_of,
+)
 from fovea.engine.model.weights import fuse_rows
 from fovea.errors import ModelLoadError
 from fovea.models.base import LanguageModelSpec
@@ -166,6 +174,10 @@ class PagedLlama:
         self.quant_kernels = True  # False: quantized layers dequantised per call (their start-up check failed)
         self.layers = [self._layer(layer, fused) for layer in lm.layers]
         self.dtype, self.device = self.embed.dtype, self.embed.device
+        # Int4 products with many rows dequantise their weight into this one buffer (the largest
+        # layer's, allocated once; a line of the memory plan), then call torch's matmul.
+        scratch = int4_scratch_elements(self.layers) if fused and self.device.type == "cuda" else 0
+        self.int4_scratch = torch.empty(scratch, dtype=self.dtype, device=self.device) if scratch else None
         inv = inverse_frequencies(text, self.head_dim)
         freqs = torch.arange(max_positions, dtype=torch.float32).unsqueeze(1) * inv.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -291,7 +303,7 @@ class PagedLlama:
         tokens = hidden.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
-        linear = fused_linear if self.quant_kernels else mixed_linear
+        linear = functools.partial(fused_linear, scratch=self.int4_scratch) if self.quant_kernels else mixed_linear
         cos_table, sin_table, positions = self.rope_tables(positions)
         x = triton_ops.add_rms_norm(hidden, self.layers[0].in_norm, self.eps)
         for index, w in enumerate(self.layers):

@@ -5,7 +5,9 @@ read from the checkpoint by ``loading/quantized``). The two executions of ``Page
 
 - ``torch_linear``: ``F.linear``, dequantising a quantized weight for the call (CPU, tests);
 - ``fused_linear``: the Triton/cuBLAS path: FP8 through ``_scaled_mm`` with per-token dynamic
-  activation scales, block FP8 and int4 through their Triton kernels.
+  activation scales, block FP8 and int4 through their Triton kernels (int4 with many rows:
+  dequantised into one scratch buffer shared by the layers, ``int4_scratch_elements``, then
+  torch's matmul).
 
 ``fuse_weights`` stacks q/k/v (and gate/up) into one weight, as ``fuse_rows`` does for tensors,
 and re-points each module at its rows so the memory is held once.
@@ -37,14 +39,26 @@ def torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = No
     return dequantized_linear(x, weight, bias)
 
 
-def fused_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fused_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
+                 scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``scratch``: the int4 layers' shared dequantisation buffer (``int4_scratch_elements``)."""
     if isinstance(weight, torch.Tensor):
         return triton_ops.linear(x, weight, bias)
     if isinstance(weight, Fp8Weight):
         if weight.block is not None:
             return quant_matmul.fp8_block_linear(x, weight.weight, weight.scale, weight.block, bias)
         return quant_matmul.fp8_linear(x, weight.weight, weight.scale, bias)
-    return quant_matmul.int4_linear(x, weight.packed, weight.scales, weight.zeros, weight.group, bias)
+    return quant_matmul.int4_linear(x, weight.packed, weight.scales, weight.zeros, weight.group, bias,
+                                    scratch=scratch)
+
+
+def int4_scratch_elements(layers: list, names: tuple[str, ...] = ("qkv", "o", "gate_up", "down")) -> int:
+    """Elements of the buffer the fused forward's int4 layers dequantise into (many rows: prefill):
+    the largest int4 weight among the products it runs (``names`` of each layer's weights); 0
+    when none is int4."""
+    sizes = [w.out_features * w.in_features for layer in layers for w in (getattr(layer, n, None) for n in names)
+             if isinstance(w, Int4Weight)]
+    return max(sizes, default=0)
 
 
 def mixed_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,7 +110,8 @@ def quantized_kernels_problem(layers: list, dtype: torch.dtype, device: torch.de
     down weights through ``fused_linear`` against ``torch_linear`` (the same quantised
     activations, the dequantised weight) on a few random rows. None when they agree to the
     output dtype's rounding, else what disagreed (the engine then runs those layers on the torch
-    path: slower, never wrong)."""
+    path: slower, never wrong). Int4 layers are checked on as many rows as take the dequantising
+    path too (``quant_matmul.INT4_DEQUANT_MIN_ROWS``)."""
     if not layers:
         return None
     first = layers[0]
@@ -105,13 +120,15 @@ def quantized_kernels_problem(layers: list, dtype: torch.dtype, device: torch.de
     generator = torch.Generator().manual_seed(0)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # relative, of a sum over K products rounded once
     for name, weight in weights.items():
-        x = torch.randn(3, weight.in_features, generator=generator).to(device, dtype)
-        try:
-            got = fused_linear(x, weight).float()
-        except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is a disagreement
-            return f"{type(weight).__name__} {name}: {type(exc).__name__}: {exc}"
-        ref = torch_linear(x, weight).float()
-        err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
-        if not err <= tolerance:
-            return f"{type(weight).__name__} {name}: relative error {err:.2e} > {tolerance:.0e}"
+        row_counts = (3, quant_matmul.INT4_DEQUANT_MIN_ROWS) if isinstance(weight, Int4Weight) else (3,)
+        for rows in row_counts:
+            x = torch.randn(rows, weight.in_features, generator=generator).to(device, dtype)
+            try:
+                got = fused_linear(x, weight).float()
+            except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is a disagreement
+                return f"{type(weight).__name__} {name} ({rows} rows): {type(exc).__name__}: {exc}"
+            ref = torch_linear(x, weight).float()
+            err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+            if not err <= tolerance:
+                return f"{type(weight).__name__} {name} ({rows} rows): relative error {err:.2e} > {tolerance:.0e}"
     return None

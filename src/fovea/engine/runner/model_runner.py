@@ -92,6 +92,7 @@ class ModelRunner:
                 log.warning("%s kernels disabled, its layers dequantised per call (slow): %s",
                             loaded.quantization.label, problem)
                 self.llama.quant_kernels = False
+                self.llama.int4_scratch = None  # the torch path dequantises per call: no shared buffer
         # Dynamic-resolution towers are batched by tokens too: their activation peak grows with
         # the patches of a call, not its image count.
         self.fixed_image_shape = loaded.adapter.fixed_image_shape(loaded.model.config)
