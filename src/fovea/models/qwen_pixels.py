@@ -10,9 +10,9 @@ times the resized uint8 image (2.8 MB).
 So the API process only resizes (``resize_image``: the processor's own size rule and filter) and
 sends the ``[H, W, 3]`` uint8 image; the vision stage turns it into the processor's patches on the
 device (``PatchRecipe.patches``), bit for bit: the rescale and normalisation map each (channel,
-uint8 value) to one float32, so they are computed once per recipe with the processor's own
-arithmetic on the 256 possible values of each channel, and an image is a gather from that table
-followed by the patch permute. The recipe is read from the loaded image processor, never written
+uint8 value) to one float32, so they are computed once per recipe, on the CPU, with the
+processor's own arithmetic on the 256 possible values of each channel, and an image is a gather
+from that table followed by the patch permute (copies, exact on any device). The recipe is read from the loaded image processor, never written
 here. Video frames (``FrameRecipe``) still arrive as patches; an image's pixels are patches too
 where the processor is not PIL-based (``host_resize_supported``).
 """
@@ -119,10 +119,11 @@ class PatchRecipe:
 
 @functools.lru_cache(maxsize=16)
 def _table(recipe: PatchRecipe, channels: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """[C, 256]: each channel's normalised value of every uint8 value, computed by the recipe's
-    own arithmetic (elementwise, so the table's entries are exactly what the whole image would give)."""
-    values = torch.arange(256, dtype=torch.uint8, device=device).expand(channels, 256)
-    return recipe.normalised(values).to(dtype).contiguous()
+    """[C, 256] on ``device``: each channel's normalised value of every uint8 value, computed on
+    the CPU by the recipe's own arithmetic (elementwise, so each entry is exactly what the whole
+    image would give there); on the device an image is then only a gather and copies."""
+    values = torch.arange(256, dtype=torch.uint8).expand(channels, 256)
+    return recipe.normalised(values).to(dtype).contiguous().to(device)
 
 
 def vision_pixels(images: Sequence[Any], recipe: Callable[[], PatchRecipe], device: torch.device,
