@@ -58,6 +58,8 @@ import serve_load as load
 from gpu_llava7b import ceilings, log, time_cuda
 from gpu_serve import Server, body_prompt, engine_burst, gib, memory_summary, release_gpu, sustained
 
+from fovea.models.qwen_pixels import vision_pixels
+
 SIZES = ((336, 336), (1280, 720), (1920, 1080))
 CUDA = torch.cuda.is_available()  # without a GPU (``--arch tiny``): a smoke run, no floors
 
@@ -308,7 +310,9 @@ def hf_vision(loaded) -> Callable:
     model = loaded.model.model
 
     def run(images: list) -> object:
-        pixels = torch.cat([im.pixels for im in images]).to(next(model.visual.parameters()).dtype)
+        # Resized uint8 images become the processor's patches on the device, as fovea's stage does.
+        pixels = vision_pixels(images, lambda: loaded.adapter.patch_recipe(loaded), loaded.device,
+                               next(model.visual.parameters()).dtype)
         grid = torch.tensor([im.grid for im in images], device=pixels.device)
         return model.get_image_features(pixel_values=pixels, image_grid_thw=grid)
 
