@@ -38,6 +38,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -57,6 +58,8 @@ import load_procs
 import serve_load as load
 from gpu_llava7b import ceilings, log, time_cuda
 from gpu_serve import Server, body_prompt, engine_burst, gib, memory_summary, release_gpu, sustained
+
+from fovea.models.qwen_pixels import vision_pixels
 
 SIZES = ((336, 336), (1280, 720), (1920, 1080))
 CUDA = torch.cuda.is_available()  # without a GPU (``--arch tiny``): a smoke run, no floors
@@ -308,7 +311,9 @@ def hf_vision(loaded) -> Callable:
     model = loaded.model.model
 
     def run(images: list) -> object:
-        pixels = torch.cat([im.pixels for im in images]).to(next(model.visual.parameters()).dtype)
+        # Resized uint8 images become the processor's patches on the device, as fovea's stage does.
+        pixels = vision_pixels(images, lambda: loaded.adapter.patch_recipe(loaded), loaded.device,
+                               next(model.visual.parameters()).dtype)
         grid = torch.tensor([im.grid for im in images], device=pixels.device)
         return model.get_image_features(pixel_values=pixels, image_grid_thw=grid)
 
@@ -343,7 +348,7 @@ def vision_section(loaded, args, c: dict) -> tuple[dict, list[tuple]]:
                     rel = float("nan")
             floor = flops / c["bf16_matmul_flops"]
             case = {"size": f"{size[0]}x{size[1]}", "batch": batch, "tokens_per_image": images[0].num_tokens,
-                    "patches_per_image": images[0].pixels.shape[0], "fovea_ms_per_image": 1e3 * ours / batch,
+                    "patches_per_image": math.prod(images[0].grid), "fovea_ms_per_image": 1e3 * ours / batch,
                     "hf_ms_per_image": 1e3 * theirs / batch, "floor_ms_per_image": 1e3 * floor / batch,
                     "fovea_share_of_floor": floor / ours, "rows_rel_diff_vs_hf": rel}
             out["cases"].append(case)

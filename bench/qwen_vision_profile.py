@@ -17,6 +17,7 @@ The last lines are two tables; the profiler's own table is written to $OUT.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -89,7 +90,7 @@ def startup_vision_batch(loaded, stage, max_model_len: int) -> dict[str, float]:
         if CUDA:
             torch.cuda.synchronize()
     t4 = time.perf_counter()
-    return {"patches": image.pixels.shape[0], "host pixels s": t1 - t0, "to device s": t2 - t1,
+    return {"patches": math.prod(image.grid), "host pixels s": t1 - t0, "to device s": t2 - t1,
             "first forward s": t3 - t2, "second forward s": t4 - t3}
 
 
@@ -119,7 +120,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     classes = profile_stage(stage.forward, images, args.out)
     split = startup_vision_batch(loaded, stage.forward, min(args.max_model_len, loaded.context_length))
-    print(f"\n{stage.label}: {args.batch} x {args.size[0]}x{args.size[1]} ({images[0].pixels.shape[0]} patches each)")
+    print(f"\n{stage.label}: {args.batch} x {args.size[0]}x{args.size[1]} ({math.prod(images[0].grid)} patches each)")
     print(f"{'wall, ms per image':<44}{1e3 * seconds / args.batch:>10.2f}")
     print(f"{'matrix TFLOP per image':<44}{flops / args.batch / 1e12:>10.2f}")
     for name, ms in classes.items():

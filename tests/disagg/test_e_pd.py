@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from scene_helpers import data_url, free_port, fresh_scene, run_all, start_server, stop_server
 
 from fovea.config import ServerSettings
@@ -155,3 +156,34 @@ def test_the_metrics_count_each_images_hand_off(e_pd):
     count = next(float(line.split()[1]) for line in text.splitlines()
                  if line.startswith("fovea_embedding_handoff_seconds_count"))
     assert count >= 256  # the 256 concurrent requests' images at least, each measured
+
+
+def test_an_encode_worker_patches_qwen_images_as_the_engine_does(tmp_path):
+    """Qwen-VL images reach an encode worker as the API process resized them (uint8): the worker
+    rescales, normalises and patches them as the engine's own vision stage does, and refuses
+    images resized under a recipe other than its own reading of the model directory."""
+    from PIL import Image
+
+    from fovea.disagg.encoder_pool import EncoderFailed, EncoderPool
+    from fovea.loading.contract import check_contract, probe_chat, vision_row_width
+    from fovea.loading.loader import load_model
+    from fovea.testing.random_qwen2_5_vl import write_model_dir
+    from fovea.testing.tolerance import assert_close_for
+
+    qwen = load_model(write_model_dir(tmp_path / "qwen", arch="tiny", seed=3), "cpu", "float32")
+    contract = check_contract(qwen)
+    prompt = qwen.codec.encode(qwen.codec.render(probe_chat(2)), [Image.effect_noise((300, 200), 50).convert("RGB"), Image.effect_noise((64, 90), 70).convert("RGB")])
+    assert all(image.pixels.dtype == torch.uint8 for image in prompt.images)
+    pool = EncoderPool(qwen.path, workers=1, device="cpu", dtype="float32", model_id=contract.model_fingerprint,
+                       recipe_fingerprint=contract.recipe_fingerprint, hidden=vision_row_width(qwen)).start()
+    try:
+        rows = pool.encode(prompt.images)
+        local = qwen.adapter.vision_forward(qwen)(prompt.images)
+        for ours, theirs in zip(rows, local, strict=True):
+            assert ours.shape == theirs.shape
+            assert_close_for(ours, theirs, torch.float32, 64)
+        pool.recipe_fingerprint = "a-recipe-with-another-mean"  # e.g. a --processor-override on the PD side
+        with pytest.raises(EncoderFailed, match="processor-override"):
+            pool.encode(prompt.images)
+    finally:
+        pool.stop()

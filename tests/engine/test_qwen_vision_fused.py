@@ -206,6 +206,30 @@ def test_the_fused_stage_equals_the_eager_forward_on_packed_images(models, kind,
     assert startup_problem(loaded, fused) is None
 
 
+@pytest.mark.parametrize("kind", [QWEN2_5, QWEN3])
+def test_the_fused_stage_patches_resized_images_as_the_eager_forward_does(models, kind):
+    """Images as the API process sends them (resized uint8 [H, W, 3]) beside a video's patches:
+    the fused stage patches them on its device as the eager forward does, and an image's rows are
+    those of its processor patches."""
+    loaded = models(kind, "float32")
+    fused = QwenFusedVision(loaded)
+    vision = loaded.model.config.vision_config
+    merge, side = vision.spatial_merge_size, vision.patch_size * vision.spatial_merge_size
+    gen = torch.Generator().manual_seed(3)
+    resized = [ImageInput(torch.randint(0, 256, (h * side, w * side, 3), dtype=torch.uint8, generator=gen)
+                          .to(loaded.device), h * w, f"resized-{i}", (1, h * merge, w * merge))
+               for i, (h, w) in enumerate([(5, 5), (2, 11), (1, 1)])]
+    images = [*resized, *images_of(loaded, [(2, 6, 8)])]
+    got, ref = fused(images), loaded.adapter.vision_forward(loaded)(images)
+    for image, a, b in zip(images, got, ref, strict=True):
+        assert a.shape == b.shape == (image.num_tokens, a.shape[1])
+        path = tower_path_len(vision, image.grid[1] * image.grid[2]) + 9 * vision.hidden_size
+        assert_close_for(a, b, torch.float32, path, what=f"grid {image.grid}")
+    recipe = loaded.adapter.patch_recipe(loaded)
+    as_patches = [dataclasses.replace(image, pixels=recipe.patches(image.pixels)) for image in resized]
+    assert all(torch.equal(a, b) for a, b in zip(fused([*as_patches, images[3]]), got, strict=True))
+
+
 @needs_triton
 @pytest.mark.parametrize("kind", [QWEN2_5, QWEN3])
 def test_the_fused_stage_with_the_triton_kernels_equals_the_eager_forward(model_dirs, kind):

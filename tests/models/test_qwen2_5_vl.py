@@ -28,6 +28,7 @@ from fovea.loading.contract import check_contract
 from fovea.loading.loader import load_model
 from fovea.loading.prompt import PlaceholderMismatch, encode_prompt, render_chat
 from fovea.models.qwen2_5_vl import mrope_positions
+from fovea.models.qwen_pixels import vision_pixels
 from fovea.testing.random_qwen2_5_vl import write_model_dir
 from fovea.testing.tolerance import assert_close_to_model
 
@@ -43,6 +44,11 @@ def noise(width: int, height: int, seed: int) -> Image.Image:
     image = Image.effect_noise((width, height), 40 + seed % 30).convert("RGB")
     shifts = [rng.randrange(60) for _ in range(3)]
     return Image.merge("RGB", [band.point(lambda v, s=shift: (v + s) % 256) for band, shift in zip(image.split(), shifts)])
+
+
+def patched(model, images) -> torch.Tensor:
+    """The tower's rows for a prompt's images: resized uint8 images patched as the vision stage does."""
+    return vision_pixels(images, lambda: model.adapter.patch_recipe(model), torch.device("cpu"), torch.float32)
 
 
 def chat(model, images: list[Image.Image], text: str = "you are a helpful"):
@@ -225,6 +231,53 @@ def test_fovea_serve_answers_a_qwen_chat_over_http(qwen):
         stop_server(server, thread)
 
 
+def test_served_greedy_answers_equal_those_from_the_whole_processor(qwen, monkeypatch):
+    """The engine core in its own process: images resized in the API process cross /dev/shm as
+    uint8 and are patched in the core. The served greedy answer and its log-probabilities equal
+    the engine's on the same prompt with the processor's own patches (the path before)."""
+    import fovea.models.qwen2_5_vl as family
+
+    images = [noise(1280, 720, 11), noise(333, 517, 12)]
+    assert all(image.pixels.dtype == torch.uint8 for image in chat(qwen, images).images)  # what the server sends
+    settings = ServerSettings(model=str(qwen.path), host="127.0.0.1", port=free_port(), device="cpu", dtype="float32",
+                              canary=False, engine_core="process")
+    live, server, thread = start_server(settings, None)
+    try:
+        body = {"model": qwen.name, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True,
+                "top_logprobs": 2, "messages": [{"role": "user", "content": [
+                    *({"type": "image_url", "image_url": {"url": data_url(image)}} for image in images),
+                    {"type": "text", "text": "you are"}]}]}
+        reply = httpx.post(live.base_url + "/v1/chat/completions", json=body, timeout=300)
+        assert reply.status_code == 200, reply.text
+        served = reply.json()["choices"][0]
+    finally:
+        stop_server(server, thread)
+    monkeypatch.setattr(family, "host_resize_supported", lambda ip: False)  # the whole processor on the host
+    before = chat(qwen, images, "you are")
+    assert all(image.pixels.dim() == 2 and image.pixels.dtype == torch.float32 for image in before.images)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    async def answer():
+        engine = PagedEngine(qwen, PagedEngineConfig(num_blocks=256))
+        engine.start()
+        try:
+            return [event async for event in engine.generate(before, params)]
+        finally:
+            engine.stop()
+
+    events = asyncio.run(answer())
+    tokens = [e for e in events if isinstance(e, TokenEvent) and e.token_id >= 0]
+    finish = events[-1]
+    assert isinstance(finish, FinishEvent) and len(tokens) == 8
+    assert served["message"]["content"] == finish.text
+    ref = reference_generate(qwen, before, 8)  # transformers on the processor's own patches
+    assert [t.token_id for t in tokens][:len(ref)] == ref
+    content = served["logprobs"]["content"]
+    assert [entry["logprob"] for entry in content] == pytest.approx([t.logprob.logprob for t in tokens], abs=1e-6)
+    assert [top["logprob"] for entry in content for top in entry["top_logprobs"]] == pytest.approx(
+        [lp for t in tokens for _, lp in t.logprob.top], abs=1e-6)
+
+
 def test_the_contract_catches_positions_that_differ_from_transformers(qwen, monkeypatch):
     import fovea.models.qwen2_5_vl as family
     from fovea.loading.contract import ContractError
@@ -266,7 +319,9 @@ def test_the_profile_images_fit_a_prompt_of_max_tokens(qwen):
     for image in capped:
         _, h, w = image.grid
         assert image.num_tokens <= largest.num_tokens // 4 < largest.num_tokens
-        assert image.num_tokens == h * w // 4 and image.pixels.shape[0] == h * w
+        # As the codec sends them: resized uint8 images, which the vision stage patches into h * w rows.
+        assert image.num_tokens == h * w // 4 and image.pixels.shape == (h * 14, w * 14, 3)
+        assert adapter.patch_recipe(qwen).patches(image.pixels).shape[0] == h * w
     assert adapter.dummy_images(None, codec, 1, max_tokens=10 ** 9)[0].grid == largest.grid
     on_meta = adapter.dummy_images(None, codec, 1, device="meta")[0]  # made where asked: no host pixels
     assert on_meta.pixels.device.type == "meta" and on_meta.pixels.shape == largest.pixels.shape

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 from scene_helpers import data_url, free_port, start_server, stop_server
-from test_qwen2_5_vl import noise, run
+from test_qwen2_5_vl import noise, patched, run
 from transformers import Qwen3VLProcessor
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
@@ -78,7 +78,8 @@ def test_the_prompt_equals_transformers_processor_apply_chat_template(qwen3):
     assert ours.input_ids == theirs["input_ids"][0].tolist()
     assert ours.input_ids == qwen3.codec.reference_ids(messages, images)  # what the contract checks
     assert [im.grid for im in ours.images] == [tuple(g) for g in theirs["image_grid_thw"].tolist()]
-    assert torch.equal(torch.cat([im.pixels for im in ours.images]), theirs["pixel_values"].to(torch.float32))
+    # The resized images, patched as the vision stage patches them: the processor's pixel values, bit for bit.
+    assert torch.equal(patched(qwen3, ours.images), theirs["pixel_values"].to(torch.float32))
     # M-RoPE rows as transformers' get_rope_index computes them from the processor's outputs.
     rows, delta = qwen3.model.model.get_rope_index(theirs["input_ids"], mm_token_type_ids=theirs["mm_token_type_ids"],
                                                    image_grid_thw=theirs["image_grid_thw"])
@@ -138,7 +139,7 @@ def test_vision_rows_equal_transformers_get_image_features(qwen3):
     rows = torch.cat(qwen3.adapter.vision_forward(qwen3)(prompt.images))
     with torch.inference_mode():
         out = qwen3.model.model.get_image_features(
-            pixel_values=torch.cat([image.pixels for image in prompt.images]),
+            pixel_values=patched(qwen3, prompt.images),
             image_grid_thw=torch.tensor([image.grid for image in prompt.images]))
     theirs = qwen3.adapter.vision_rows(out)
     levels = len(qwen3.model.config.vision_config.deepstack_visual_indexes)

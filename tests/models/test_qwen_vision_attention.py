@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import torch
-from test_qwen2_5_vl import noise, qwen  # noqa: F401 - the module's fixture
+from test_qwen2_5_vl import noise, patched, qwen  # noqa: F401 - the module's fixture
 
 from fovea.models.qwen_vision_attention import chunk_groups, grouped, grouped_attention
 from fovea.testing.tolerance import assert_close_for, attention_path_len, vision_path_len
@@ -34,7 +34,7 @@ def test_the_tower_gives_transformers_rows_and_is_restored_after(qwen):  # noqa:
     prompt = qwen.codec.encode(qwen.codec.render([{"role": "user", "content": [
         {"type": "image"}, {"type": "image"}, {"type": "text", "text": "you"}]}]), [noise(300, 200, 1), noise(90, 64, 2)])
     visual = qwen.model.model.visual
-    pixels = torch.cat([image.pixels for image in prompt.images])
+    pixels = patched(qwen, prompt.images)
     grid = torch.tensor([image.grid for image in prompt.images])
     with torch.inference_mode():
         theirs = visual(pixels, grid_thw=grid).pooler_output

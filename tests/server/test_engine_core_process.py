@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -329,3 +330,24 @@ def test_more_api_processes_need_the_engine_core_in_its_own_process():
     assert out.returncode == 2
     assert out.stderr.strip() == "fovea: error: --api-server-count feeds one engine core from several API " \
         "processes: it needs --engine-core process", out.stderr
+
+
+def test_an_api_process_preprocesses_with_the_cores_override(tmp_path):
+    """The API process resizes (Qwen-VL: and only resizes) what the core encodes: it applies the
+    core's --processor-override and refuses to start unless its recipe is the core's contract's."""
+    from fovea.errors import ModelLoadError
+    from fovea.loading.contract import check_contract
+    from fovea.loading.loader import load_model
+    from fovea.serve.app import same_recipe_as_core
+    from fovea.testing.random_qwen2_5_vl import write_model_dir
+
+    path = write_model_dir(tmp_path / "qwen", arch="tiny", seed=3)
+    override = {"resample": 2}  # bilinear: not a normalisation field, no --force needed
+    contract = check_contract(load_model(path, "cpu", "float32"), override=override)
+    settings = ServerSettings(model=str(path), device="cpu", dtype="float32", processor_override=override)
+    api = load_model(path, "cpu", "float32", weights=False)
+    same_recipe_as_core(settings, api, contract)
+    assert api.codec.image_processor.resample == 2
+    without = load_model(path, "cpu", "float32", weights=False)
+    with pytest.raises(ModelLoadError, match="engine core's contract"):
+        same_recipe_as_core(dataclasses.replace(settings, processor_override={}), without, contract)

@@ -45,8 +45,12 @@ def image_item(batch_id: str, image: ImageInput, recipe_fp: str) -> wire.Item:
     return meta, data
 
 
+# Pixels: the model's dtype (patches), or uint8 (Qwen's resized images, patched by the vision stage here).
+PIXEL_DTYPES = {**DTYPES, "uint8": torch.uint8}
+
+
 def read_image(meta: dict, data: torch.Tensor, device: torch.device) -> ImageInput:
-    pixels = data.view(DTYPES[meta["dtype"]]).view(*meta["shape"]).to(device, non_blocking=True)
+    pixels = data.view(PIXEL_DTYPES[meta["dtype"]]).view(*meta["shape"]).to(device, non_blocking=True)
     grid = tuple(meta["grid"]) if meta["grid"] else None
     return ImageInput(pixels, int(meta["tokens"]), meta["hash"], grid)
 
@@ -112,6 +116,23 @@ class EncodeService:
         if hold:
             hold_to_plan(self.plan, self.part.device)
 
+    def check_recipe(self, images: list[tuple[dict, ImageInput]]) -> None:
+        """Resized images are rescaled and normalised here, by the recipe of this worker's own
+        reading of the model directory: refused unless the pixels were resized under that same
+        recipe (the contract's fingerprint, which a --processor-override changes)."""
+        from fovea.loading.contract import fingerprint, recipe_of
+        from fovea.models.qwen_pixels import is_resized_image
+
+        wanted = {meta["recipe"] for meta, image in images if meta["recipe"] and is_resized_image(image.pixels)}
+        if not wanted:
+            return
+        adapter = self.part.adapter
+        ours = fingerprint(recipe_of(adapter.image_processor_of(self.part), adapter.recipe_fields))
+        if wanted != {ours}:
+            raise ValueError(f"images resized under preprocessing recipe {sorted(wanted)}, but this encode worker "
+                             f"normalises with the model directory's recipe {ours}: a --processor-override is not "
+                             "applied in encode workers; serve without it or with --topology agg")
+
     def ready_frame(self) -> bytes:
         part = self.part
         return pack({"kind": READY, "pid": os.getpid(), "vision_fingerprint": self.fingerprint,
@@ -146,6 +167,7 @@ class EncodeService:
             if batch.get("kind") != BATCH:
                 raise ValueError("a batch message starts with its batch item")
             images = [(meta, read_image(meta, data, self.part.device)) for meta, data in images]
+            self.check_recipe(images)
             read = time.perf_counter() - started
             try:
                 rows, encode_s, seal_s = self.encode_and_seal(images)

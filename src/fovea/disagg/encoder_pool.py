@@ -38,7 +38,15 @@ import torch
 
 from fovea.disagg import encode_worker
 from fovea.disagg.channels import PipeChannel, WorkerLost
-from fovea.disagg.handoff import Expectation, HandoffMismatch, check_header, header_from, land_each, unpack
+from fovea.disagg.handoff import (
+    DTYPES,
+    Expectation,
+    HandoffMismatch,
+    check_header,
+    header_from,
+    land_each,
+    unpack,
+)
 from fovea.disagg.shared_segment import aligned
 from fovea.errors import FoveaError
 from fovea.models.base import ImageInput
@@ -105,6 +113,8 @@ class EncoderPool:
             raise ValueError("an encoder pool needs at least one worker")
         self.model_dir = str(model_dir)
         self.model_id, self.recipe_fingerprint, self.hidden = model_id, recipe_fingerprint, hidden
+        # The rows come back in the model's dtype, whatever the pixels' (Qwen's resized images are uint8).
+        self.rows_dtype = dtype
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self._last_lost: str | None = None  # why a worker was last lost in a batch (the refusal says it)
         self.batch_images = batch_images  # the engine's vision batch: what each worker plans its peak for
@@ -279,7 +289,7 @@ class EncoderPool:
         batch_id = uuid.uuid4().hex
         items = [({"kind": encode_worker.BATCH}, None),
                  *(encode_worker.image_item(batch_id, image, self.recipe_fingerprint) for image in images)]
-        itemsize = images[0].pixels.element_size() if images else 0
+        itemsize = DTYPES[self.rows_dtype].itemsize
         reply_bytes = sum(aligned(image.num_tokens * self.hidden * itemsize) for image in images)
         tried: set[int] = set()
         deadline = time.monotonic() + 2 * self.timeout_s
@@ -371,7 +381,7 @@ class EncoderPool:
             want = Expectation(
                 request_id=batch_id, image_hash=image.hash, model_id=self.model_id,
                 vision_fingerprint=self.vision_fingerprint, recipe_fingerprint=self.recipe_fingerprint,
-                dtype=str(image.pixels.dtype).removeprefix("torch."), hidden=self.hidden, tokens=image.num_tokens,
+                dtype=self.rows_dtype, hidden=self.hidden, tokens=image.num_tokens,
                 grid=image.grid)
             try:
                 header = header_from(fields)

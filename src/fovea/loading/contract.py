@@ -11,7 +11,10 @@ Built from the model directory and the loaded modules, checked before the first 
   stage returns rows for it (probe images of two sizes: dynamic-resolution families differ);
 - placement: every parameter and buffer on the one configured device and dtype;
 - the preprocessing recipe: equal to the model's own processor config (run-time overrides
-  that touch normalisation are refused unless forced, and then reported);
+  that touch normalisation are refused unless forced, and then reported); and where a family
+  splits the processor (Qwen-VL: the resize in the API process, rescale, normalisation and
+  patches in the vision stage), both halves together equal the processor's own output on the
+  probe images, bit for bit;
 - the vision output is finite on a probe image (a float16 vision stage that overflows is
   kept in bfloat16/float32 instead, and the hand-off casts explicitly).
 
@@ -239,6 +242,18 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
             ", ".join(f"{k}={in_use[k]}" for k in differs),
             "serve with the processor from the model directory, or pass the change explicitly with "
             "--processor-override (and --force-processor-override for normalisation)"))
+    # The preprocessing as it is done (Qwen-VL: resized in the API process, rescaled, normalised and
+    # patched in the vision stage) against the image processor's own output, bit for bit.
+    try:
+        problem = adapter.preprocessing_problem(loaded, [probe_image(*size, seed=i)
+                                                         for i, size in enumerate(PROBE_SIZES)])
+    except Exception as exc:  # noqa: BLE001 - a failure here is a contract failure
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        violations.append(Violation(
+            "preprocessing path", "the image processor's own pixel_values and grids for the probe images, bit for bit",
+            problem, "fovea's split of the processor (resize on the host, normalisation on the device) disagrees "
+            "with this processor: report it with the processor's class and transformers' version"))
     forced = bool(set(changed) & adapter.normalisation_fields)
     if changed:
         notes.append(f"processor override in effect: {', '.join(f'{k}={in_use[k]}' for k in changed)}"

@@ -38,7 +38,10 @@ class PlaceholderMismatch(FoveaError):
 class ImageInput:
     """One preprocessed image as the vision stage takes it, on the host."""
 
-    pixels: torch.Tensor  # LLaVA: [3, H, W]; Qwen2.5-VL: [patches, C * T * P * P]; in the model dtype
+    # LLaVA: [3, H, W] in the model dtype; Qwen-VL images: [H, W, 3] uint8, resized (the vision stage
+    # makes the processor's patches of it, models.qwen_pixels); Qwen-VL videos (and images where the
+    # processor is not PIL-based): [patches, C * T * P * P] in the model dtype.
+    pixels: torch.Tensor
     num_tokens: int  # image-token positions it fills in the prompt
     hash: str  # content hash of what the model sees (the encoder- and prefix-cache key)
     grid: tuple[int, int, int] | None = None  # (t, h, w) in patches, for dynamic-resolution towers
@@ -286,6 +289,12 @@ class ModelAdapter(ABC):
         """The eager vision stage: images (pixels on the model's device) -> each image's
         [num_tokens, lm_hidden] rows in the model dtype ([num_tokens, (1 + deepstack levels) *
         lm_hidden] for DeepStack models: the embedding, then each level's features)."""
+
+    def preprocessing_problem(self, loaded: Any, images: list[Image.Image]) -> str | None:
+        """Families that split the processor's work (the resize in the API process, the rest in the
+        vision stage): None if both halves together give the processor's own pixel values for
+        ``images``, else how they differ. Others run the processor whole in the codec: None."""
+        return None
 
     def fixed_image_shape(self, config: Any) -> tuple[int, ...] | None:
         """The one pixel shape every image has (towers of a fixed resolution), else None."""

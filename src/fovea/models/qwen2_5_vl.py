@@ -57,6 +57,13 @@ from fovea.models.base import (
     check_placeholders,
     pixel_hash,
 )
+from fovea.models.qwen_pixels import (
+    PatchRecipe,
+    host_resize_supported,
+    resize_image,
+    size_rule,
+    vision_pixels,
+)
 from fovea.models.qwen_vision_attention import grouped
 
 RECIPE_FIELDS = ("do_resize", "size", "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size",
@@ -285,28 +292,59 @@ class QwenCodec(PromptCodec):
     def _factor(self) -> int:
         return int(self.image_processor.patch_size) * self.merge
 
+    def _bounds(self, max_pixels: int | None) -> tuple[int, int]:
+        """(min_pixels, max_pixels) of the resize; ``max_pixels`` caps the model's own bound
+        (image_url.detail "low")."""
+        low, high = pixel_bounds(self.image_processor)
+        return (low, high) if max_pixels is None or max_pixels >= high else (low, max(low, max_pixels))
+
+    def _upsized(self, images: list[Image.Image]) -> list[Image.Image]:
+        """Older processors refuse sides under one 28 px tile (vllm#21109): those images resized up
+        to the model's minimum, for the processor to take it from there."""
+        factor = self._factor()
+        return [im if min(im.size) >= factor else im.resize(
+            (max(factor, round(im.size[0] * factor / min(im.size))),
+             max(factor, round(im.size[1] * factor / min(im.size)))), Image.Resampling.BICUBIC)
+            for im in images]
+
     def _preprocess(self, images: list[Image.Image], max_pixels: int | None = None
                     ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """The processor's patches and grids for ``images``; ``max_pixels`` caps the model's own
-        bound (image_url.detail "low")."""
-        factor = self._factor()
-        low, high = pixel_bounds(self.image_processor)
-        kwargs = {} if max_pixels is None or max_pixels >= high else \
-            {"size": {"shortest_edge": low, "longest_edge": max(low, max_pixels)}}
+        """The processor's own patches and grids for ``images`` (the whole processor, on the host);
+        ``max_pixels`` caps the model's own bound (image_url.detail "low")."""
+        low, high = self._bounds(max_pixels)
+        kwargs = {} if high == pixel_bounds(self.image_processor)[1] else \
+            {"size": {"shortest_edge": low, "longest_edge": high}}
         try:
             out = self.image_processor(images=images, return_tensors="pt", **kwargs)
         except ValueError as exc:
-            # Older processors refuse sides under one 28 px tile (vllm#21109): resize those up to
-            # the model's minimum and let the processor take it from there.
             if "factor" not in str(exc) and "smaller" not in str(exc):
                 raise
-            images = [im if min(im.size) >= factor else im.resize(
-                (max(factor, round(im.size[0] * factor / min(im.size))),
-                 max(factor, round(im.size[1] * factor / min(im.size)))), Image.Resampling.BICUBIC)
-                for im in images]
-            out = self.image_processor(images=images, return_tensors="pt", **kwargs)
+            out = self.image_processor(images=self._upsized(images), return_tensors="pt", **kwargs)
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"].tolist()]
         return out["pixel_values"].to(self.dtype), grids
+
+    def _resized(self, images: list[Image.Image], max_pixels: int | None = None) -> list[ImageInput]:
+        """Each image resized as the processor resizes it (its ``smart_resize`` within its bounds,
+        its ``resample`` filter): [H, W, 3] uint8 pixels, which the vision stage patches on the
+        device (``qwen_pixels``); the grid is the processor's."""
+        ip = self.image_processor
+        low, high = self._bounds(max_pixels)
+        rule, factor, patch = size_rule(ip, smart_resize), self._factor(), int(ip.patch_size)
+        convert = bool(getattr(ip, "do_convert_rgb", True))
+        out = []
+        for image in images:
+            try:
+                height, width = rule(image.height, image.width, factor=factor, min_pixels=low, max_pixels=high)
+            except ValueError as exc:
+                if "factor" not in str(exc) and "smaller" not in str(exc):
+                    raise
+                image = self._upsized([image])[0]
+                height, width = rule(image.height, image.width, factor=factor, min_pixels=low, max_pixels=high)
+            pixels = resize_image(image, (height, width), ip.resample, convert)
+            grid = (1, height // patch, width // patch)
+            out.append(ImageInput(pixels, grid[1] * grid[2] // (self.merge * self.merge), pixel_hash(pixels, grid),
+                                  grid))
+        return out
 
     def check_media(self, text: str, images: list[Image.Image], videos: list[Any] | None,
                     template_rendered: bool) -> list[Any]:
@@ -382,8 +420,10 @@ class QwenCodec(PromptCodec):
         return inputs, expanded
 
     def _image_inputs(self, images: list[Image.Image], options: EncodeOptions = DEFAULT_OPTIONS) -> list[ImageInput]:
-        """Each image's patches (a slice of the processor's batch), tokens after the merge and key;
-        images sent with detail "low" are processed apart, within LOW_DETAIL_PIXELS."""
+        """Each image's pixels, tokens after the merge and key: the resized uint8 image where the
+        processor resizes with PIL (the vision stage patches it on the device), else its patches (a
+        slice of the processor's batch). Images sent with detail "low" are resized within
+        LOW_DETAIL_PIXELS."""
         for index, image in enumerate(images):
             width, height = image.size
             if max(width, height) / max(1, min(width, height)) > MAX_ASPECT:
@@ -395,8 +435,12 @@ class QwenCodec(PromptCodec):
         for cap in (None, LOW_DETAIL_PIXELS):
             indices = [i for i in range(len(images)) if low[i] == (cap is not None)]
             if indices:
-                pixels, grids = self._preprocess([images[i] for i in indices], cap)
-                for i, item in zip(indices, self._sliced(pixels, grids), strict=True):
+                chosen = [images[i] for i in indices]
+                if host_resize_supported(self.image_processor):
+                    items = self._resized(chosen, cap)
+                else:
+                    items = self._sliced(*self._preprocess(chosen, cap))
+                for i, item in zip(indices, items, strict=True):
                     out[i] = item
         return out  # type: ignore[return-value]
 
@@ -439,7 +483,42 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         return QwenProcessor(tokenizer, image_processor, video)  # type: ignore[arg-type]
 
     def codec(self, processor: QwenProcessor, image_token_id: int, dtype: torch.dtype) -> QwenCodec:
+        self._image_processor = processor.image_processor  # the patch recipe's source (patch_recipe)
         return self.codec_class(processor, "<|image_pad|>", image_token_id, dtype)
+
+    _image_processor: Any = None
+
+    def image_processor_of(self, loaded: Any = None) -> Any:
+        """The loaded image processor: the model's codec's (a --processor-override included), else
+        (an encode worker's vision part, which has no codec) the model directory's, read once."""
+        codec = getattr(loaded, "codec", None)
+        processor = codec.image_processor if codec is not None else self._image_processor
+        if processor is None:
+            processor = self._image_processor = AutoImageProcessor.from_pretrained(loaded.path, local_files_only=True)
+        return processor
+
+    def patch_recipe(self, loaded: Any = None) -> PatchRecipe:
+        """What the vision stage does to a resized image (``qwen_pixels``), read now from the loaded
+        image processor."""
+        return PatchRecipe.of(self.image_processor_of(loaded))
+
+    def preprocessing_problem(self, loaded: Any, images: list[Image.Image]) -> str | None:
+        """None if the codec's pixels for ``images``, patched as the vision stage patches them, equal
+        the image processor's own ``pixel_values`` and grids bit for bit, else how they differ."""
+        codec = loaded.codec
+        if not host_resize_supported(codec.image_processor):
+            return None  # the processor's own patches cross as they are
+        items = codec._image_inputs(images)
+        theirs = codec.image_processor(images=images, return_tensors="pt")
+        grids = [tuple(int(v) for v in g) for g in theirs["image_grid_thw"].tolist()]
+        if [item.grid for item in items] != grids:
+            return f"grids {[item.grid for item in items]}, the processor's {grids}"
+        ours = vision_pixels(items, lambda: self.patch_recipe(loaded), torch.device("cpu"), torch.float32)
+        want = theirs["pixel_values"].to(torch.float32)
+        if ours.shape != want.shape or not torch.equal(ours, want):
+            worst = (ours - want).abs().max().item() if ours.shape == want.shape else float("nan")
+            return f"patches {tuple(ours.shape)} differing by up to {worst:.3g} from the processor's {tuple(want.shape)}"
+        return None
 
     def image_token(self, processor: Any, config: Any) -> tuple[str, int]:
         return "<|image_pad|>", int(config.image_token_id)
@@ -461,7 +540,7 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         @torch.inference_mode()
         def run(images: list[ImageInput]) -> list[torch.Tensor]:
             vision_dtype = next(visual.parameters()).dtype
-            pixels = torch.cat([image.pixels for image in images]).to(vision_dtype)
+            pixels = vision_pixels(images, lambda: self.patch_recipe(loaded), loaded.device, vision_dtype)
             grid = torch.tensor([image.grid for image in images], dtype=torch.long, device=pixels.device)
             with grouped(visual):  # windows and images of one size in one SDPA call each
                 rows = self.vision_rows(visual(pixels, grid_thw=grid))
@@ -483,9 +562,11 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         if max_tokens is not None:  # (side / merge)^2 image tokens must fit a prompt
             side = max(merge, min(side, math.isqrt(max(1, max_tokens)) * merge))
         width = 3 * temporal * patch * patch
+        resized = host_resize_supported(ip)  # as the codec sends them: resized uint8 images, else patches
         out = []
         for index in range(count):
-            pixels = torch.randn((side * side, width), dtype=codec.dtype, device=device)
+            pixels = torch.randint(0, 256, (side * patch, side * patch, 3), dtype=torch.uint8, device=device) \
+                if resized else torch.randn((side * side, width), dtype=codec.dtype, device=device)
             out.append(ImageInput(pixels, side * side // (merge * merge), f"profile-{index}", (1, side, side)))
         return out
 
@@ -561,8 +642,8 @@ class Qwen2_5_VLAdapter(ModelAdapter):
             return {}
         images, videos = self._split(prompt)
         inputs: dict[str, Any] = {}
-        if images:
-            inputs["pixel_values"] = torch.cat([image.pixels for image in images]).to(device)
+        if images:  # resized images patched as the vision stage patches them (transformers casts them)
+            inputs["pixel_values"] = vision_pixels(images, self.patch_recipe, device, torch.float32)
             inputs["image_grid_thw"] = torch.tensor([image.grid for image in images], device=device)
         if videos:
             inputs["pixel_values_videos"] = torch.cat([video.pixels for video in videos]).to(device)

@@ -14,9 +14,17 @@ from fovea.config import ServerSettings, engine_config
 from fovea.engine import PagedEngine
 from fovea.engine.memory.plan import check_weights_fit
 from fovea.engine.runner import kernel_selfcheck
+from fovea.errors import ModelLoadError
 from fovea.guard.canary_fit import ANSWER_TOKENS, PROBE_SIZE, CanaryFit
 from fovea.guard.memory import estimate_weight_bytes
-from fovea.loading.contract import ModelContract, check_contract, vision_row_width
+from fovea.loading.contract import (
+    ModelContract,
+    apply_processor_override,
+    check_contract,
+    fingerprint,
+    recipe_of,
+    vision_row_width,
+)
 from fovea.loading.loader import LoadedModel, default_model_dir, load_model, resolve_device, resolve_dtype
 from fovea.logs import RequestIdMiddleware
 from fovea.serve.body_limit import BodyLimitMiddleware
@@ -122,6 +130,7 @@ def attach(settings: ServerSettings, loaded: LoadedModel, engine) -> FastAPI:
     engine.on_vision_seconds = lambda s: metrics.vision_latency.observe(1000 * s)
     engine.on_handoff = metrics.observe_handoff
     try:
+        same_recipe_as_core(settings, loaded, engine.info.contract)
         fit = fit_canary(settings, loaded, engine)
         pool = engine.encode_workers if settings.topology == "e_pd" else None
         app = compose(settings, loaded, engine, engine.info.contract, metrics, pool, fit, on_stop=lambda: None)
@@ -131,6 +140,16 @@ def attach(settings: ServerSettings, loaded: LoadedModel, engine) -> FastAPI:
     engine.on_death = stop_server_on_death(app.state)
     app.state.core = (engine.address, engine.info)
     return app
+
+
+def same_recipe_as_core(settings: ServerSettings, loaded: LoadedModel, contract: ModelContract) -> None:
+    """This process's processor with the core's --processor-override, checked against the core's
+    contract: this process resizes (and for most families normalises) what the core encodes."""
+    apply_processor_override(loaded, settings.processor_override, settings.force_processor_override)
+    ours = fingerprint(recipe_of(loaded.codec.image_processor, loaded.adapter.recipe_fields))
+    if ours != contract.recipe_fingerprint:
+        raise ModelLoadError(f"this API process preprocesses with recipe {ours}, the engine core's contract says "
+                             f"{contract.recipe_fingerprint}; both must read the same model directory")
 
 
 def engine_metrics(engine: Callable[[], object]) -> Metrics:

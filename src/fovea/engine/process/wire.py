@@ -6,8 +6,9 @@ do not go through the socket as they are:
 - **Pixels** are written to one file in shared memory (``/dev/shm``) per request. The
   message carries only the file's path and each image's slice. The core maps the file
   copy-on-write and removes its name at once, so the pages live exactly as long as the
-  tensors that view them. A 1280x720 Qwen image is ~22 MB of float32; through the socket it
-  would be copied twice more, on the core's busy loop.
+  tensors that view them. A LLaVA image is 1.3 MB of float16 patches, a Qwen-VL image its resized
+  uint8 pixels (2.8 MB at 1280x720; the core patches it, ``models.qwen_pixels``); through the
+  socket they would be copied twice more, on the core's busy loop.
 - **Grammars** are xgrammar's compiled form, serialised without their tokenizer, which each
   side builds once (``CompiledGrammar.serialize_json``). The API process compiles a request's
   grammar, so a bad schema is still a 400 before the stream starts, and the core only

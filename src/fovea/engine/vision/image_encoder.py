@@ -65,21 +65,25 @@ class ImageEncoder:
         return out
 
     def to_device(self, images: list[ImageInput]) -> list[ImageInput]:
-        """The images' pixels on the model's device, in one copy. On CUDA it is pinned and
-        asynchronous: a language-model step may still be running, and a plain copy would wait."""
+        """The images' pixels on the model's device, in one copy per dtype (Qwen's resized uint8
+        images beside a video's patches). On CUDA it is pinned and asynchronous: a language-model
+        step may still be running, and a plain copy would wait."""
         device = self.loaded.device
         if all(image.pixels.device == device for image in images):
             return images
-        flat = torch.cat([image.pixels.reshape(-1) for image in images])
-        if device.type == "cuda":
-            flat = flat.pin_memory().to(device, non_blocking=True)
-        else:
-            flat = flat.to(device)
-        out, offset = [], 0
-        for image in images:
-            n = image.pixels.numel()
-            out.append(dataclasses.replace(image, pixels=flat[offset:offset + n].view(image.pixels.shape)))
-            offset += n
+        out = list(images)
+        for dtype in {image.pixels.dtype for image in images}:
+            indices = [i for i, image in enumerate(images) if image.pixels.dtype == dtype]
+            flat = torch.cat([images[i].pixels.reshape(-1) for i in indices])
+            if device.type == "cuda":
+                flat = flat.pin_memory().to(device, non_blocking=True)
+            else:
+                flat = flat.to(device)
+            offset = 0
+            for i in indices:
+                n = images[i].pixels.numel()
+                out[i] = dataclasses.replace(images[i], pixels=flat[offset:offset + n].view(images[i].pixels.shape))
+                offset += n
         return out
 
     def run(self, images: list[ImageInput]) -> list[torch.Tensor]:

@@ -49,6 +49,7 @@ from fovea.engine.vision.qwen_vision_layout import GridLayouts
 from fovea.engine.vision.varlen_attention import GROUPED, varlen_attention, varlen_backend
 from fovea.engine.vision.vision_fused import MODEL_TOLERANCE, relative_error
 from fovea.models.base import ImageInput
+from fovea.models.qwen_pixels import vision_pixels
 
 log = logging.getLogger("fovea.engine")
 
@@ -315,7 +316,8 @@ class QwenFusedVision:
         """Each image's [num_tokens, lm_hidden] rows (Qwen3-VL: [num_tokens, (1 + levels) * lm_hidden])."""
         grids = [tuple(int(g) for g in image.grid) for image in images]
         layout = self.layouts.batch(grids)
-        pixels = torch.cat([image.pixels for image in images]).to(self.device, self.dtype)
+        # Resized images become the processor's patches here, on the device (models.qwen_pixels).
+        pixels = vision_pixels(images, lambda: self.loaded.adapter.patch_recipe(self.loaded), self.device, self.dtype)
         if layout.patch_order is not None:
             pixels = pixels[layout.patch_order]
         h = F.linear(pixels, self.patch_weight, self.patch_bias)
