@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 from test_qwen2_5_vl import noise, qwen  # noqa: F401 - the module's fixture
-from transformers import Qwen2VLImageProcessor
+from transformers import Qwen2VLImageProcessorPil
 
 import fovea.models.qwen2_5_vl as family
 from fovea.engine.vision.encoder_cache import EncoderCache
@@ -28,7 +28,7 @@ SIZES = {"720p": (1280, 720), "portrait": (720, 1280), "odd": (333, 517), "near 
 @pytest.fixture(scope="module")
 def codec_7b(qwen):  # noqa: F811
     """A codec with Qwen2.5-VL-7B's image processor settings (the tiny model's tokenizer)."""
-    ip = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2,
+    ip = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2,
                                merge_size=2)
     return QwenCodec(QwenProcessor(qwen.tokenizer, ip), "<|image_pad|>", qwen.image_token_id, torch.float32)
 
@@ -66,7 +66,7 @@ def test_low_detail_images_are_resized_within_their_cap(codec_7b):
 def test_the_recipe_is_read_from_the_processor(codec_7b):
     """Another mean, std or rescale factor on the processor changes the patches as it changes the
     processor's own: nothing is written down in fovea."""
-    ip = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, image_mean=[0.5, 0.4, 0.3],
+    ip = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, image_mean=[0.5, 0.4, 0.3],
                                image_std=[0.2, 0.25, 0.3], rescale_factor=1 / 127.5)
     image = noise(333, 517, 9)
     item = QwenCodec(QwenProcessor(codec_7b.tokenizer, ip), "<|image_pad|>", 1, torch.float32)._image_inputs([image])[0]
@@ -135,3 +135,12 @@ def test_the_contract_catches_a_wrong_normalisation(tmp_path):
     (item,) = loaded.codec._image_inputs([image])
     assert torch.equal(loaded.adapter.patch_recipe(loaded).patches(item.pixels),
                        loaded.codec.image_processor(images=[image], return_tensors="pt")["pixel_values"])
+
+
+def test_the_model_directory_is_read_with_the_pil_backend_whatever_is_installed(qwen):  # noqa: F811
+    # With torchvision installed transformers picks its torchvision twin unless told; fovea asks
+    # for PIL, so the resize and the device patching are the same on every host.
+    from fovea.models.qwen_pixels import host_resize_supported
+
+    assert getattr(qwen.codec.image_processor, "backend", None) == "pil"
+    assert host_resize_supported(qwen.codec.image_processor)

@@ -471,7 +471,10 @@ class Qwen2_5_VLAdapter(ModelAdapter):
 
     def load_processor(self, path: Path) -> QwenProcessor:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True)
+        # The PIL backend on every machine: with torchvision installed transformers would pick its
+        # torchvision twin, whose resize differs from PIL's and which the device patching
+        # (qwen_pixels) does not reproduce, so the same model would preprocess differently by host.
+        image_processor = AutoImageProcessor.from_pretrained(path, local_files_only=True, backend="pil")
         template = path / "chat_template.jinja"
         if not getattr(tokenizer, "chat_template", None) and template.is_file():
             tokenizer.chat_template = template.read_text()
@@ -494,7 +497,8 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         codec = getattr(loaded, "codec", None)
         processor = codec.image_processor if codec is not None else self._image_processor
         if processor is None:
-            processor = self._image_processor = AutoImageProcessor.from_pretrained(loaded.path, local_files_only=True)
+            processor = self._image_processor = AutoImageProcessor.from_pretrained(loaded.path, local_files_only=True,
+                                                                                   backend="pil")
         return processor
 
     def patch_recipe(self, loaded: Any = None) -> PatchRecipe:
