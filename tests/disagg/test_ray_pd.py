@@ -52,23 +52,17 @@ def ready_workers(front: RayFront) -> list[dict]:
     return [w for w in health(front)["pd_workers"] if w["state"] == "ready"]
 
 
-@pytest.fixture(scope="module")
-def ray_front(tmp_path_factory):
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 1})
-    nodes = {"A": cluster.add_node(**NODE, num_cpus=2, resources={"fovea_pd": 1, "fovea_encode": 1}),
-             "B": cluster.add_node(**NODE, num_cpus=2, resources={"fovea_pd": 1})}
-    cluster.wait_for_nodes()
+def start_front(cluster: Cluster, nodes: dict, log: Path, *flags: str) -> RayFront:
+    """A front on ``cluster`` with two PD workers placed on nodes with ``fovea_pd``, ready."""
     port = free_port()
-    log = tmp_path_factory.mktemp("ray-front") / "front.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(fovea.__file__).parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "fovea.cli", "--log-level", "info", "serve", "--topology", "e_pd",
-             "--pd-workers", "2", "--encode-workers", "1", "--ray-address", cluster.address,
-             "--ray-pd-resources", '{"CPU": 1, "fovea_pd": 1}', "--ray-encode-resources",
-             '{"CPU": 1, "fovea_encode": 1}', "--device", "cpu", "--dtype", "float32", "--no-canary",
-             "--host", LOOPBACK, "--port", str(port), "--encode-timeout", "20", "--pd-timeout", "60",
+            [sys.executable, "-m", "fovea.cli", "--log-level", "info", "serve", *flags,
+             "--pd-workers", "2", "--ray-address", cluster.address,
+             "--ray-pd-resources", '{"CPU": 1, "fovea_pd": 1}', "--device", "cpu", "--dtype", "float32",
+             "--no-canary", "--host", LOOPBACK, "--port", str(port), "--pd-timeout", "60",
              "--max-queue", "1024", "--api-key", KEY], env=env, stdout=out, stderr=subprocess.STDOUT)
     front = RayFront(f"http://{LOOPBACK}:{port}", process, cluster, nodes)
     front.log = log  # type: ignore[attr-defined]
@@ -79,9 +73,27 @@ def ray_front(tmp_path_factory):
 
     try:
         wait_for("the Ray front and its workers were not ready", up, timeout=300)
-        yield front
-    finally:
+    except BaseException:
         stop_process(process)
+        raise
+    return front
+
+
+@pytest.fixture(scope="module")
+def ray_front(tmp_path_factory):
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": 1})
+    nodes = {"A": cluster.add_node(**NODE, num_cpus=2, resources={"fovea_pd": 1, "fovea_encode": 1}),
+             "B": cluster.add_node(**NODE, num_cpus=2, resources={"fovea_pd": 1})}
+    cluster.wait_for_nodes()
+    try:
+        front = start_front(cluster, nodes, tmp_path_factory.mktemp("ray-front") / "front.log",
+                            "--topology", "e_pd", "--encode-workers", "1", "--ray-encode-resources",
+                            '{"CPU": 1, "fovea_encode": 1}', "--encode-timeout", "20")
+        try:
+            yield front
+        finally:
+            stop_process(front.process)
+    finally:
         cluster.shutdown()
 
 
@@ -95,14 +107,14 @@ async def post_all(base: str, bodies: list[dict]) -> list[httpx.Response]:
         return await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in bodies))
 
 
-def test_32_concurrent_requests_answer_as_agg_on_both_nodes_and_the_hand_off_is_logged_per_pair(ray_front,
+def test_64_concurrent_requests_answer_as_agg_on_both_nodes_and_the_hand_off_is_logged_per_pair(ray_front,
                                                                                                   demo_model):
     workers = ready_workers(ray_front)
     assert {w["node"] for w in workers} == {node_of(ray_front, "A"), node_of(ray_front, "B")}
-    images = [scenes.render(fresh_scene(91_000 + i)) for i in range(32)]
+    images = [scenes.render(fresh_scene(91_000 + i)) for i in range(64)]
     expected = agg_texts(demo_model, images)
     replies = asyncio.run(post_all(ray_front.base, [chat(image) for image in images]))
-    assert [r.status_code for r in replies] == [200] * 32, [r.text for r in replies if r.status_code != 200][:2]
+    assert [r.status_code for r in replies] == [200] * 64, [r.text for r in replies if r.status_code != 200][:2]
     assert [content(r) for r in replies] == expected
     assert {r.headers["x-fovea-pd-worker"] for r in replies} == {"0", "1"}
     # The PD worker beside the encode worker uses shared memory, the other TCP; both verified
@@ -112,6 +124,20 @@ def test_32_concurrent_requests_answer_as_agg_on_both_nodes_and_the_hand_off_is_
     assert "shared memory, Unix socket" in log and "TCP to 127.0.0.1:" in log
     body = httpx.get(ray_front.base + "/metrics", headers=AUTH, timeout=30).text
     assert metric(body, "fovea_modality_mismatch_errors_total") == 0
+
+
+def test_a_repeated_image_goes_to_the_replica_that_encoded_it(ray_front, demo_model):
+    images = [scenes.render(fresh_scene(94_000 + i)) for i in range(2)]
+    expected = agg_texts(demo_model, images)
+    hits = metric(httpx.get(ray_front.base + "/metrics", headers=AUTH, timeout=30).text,
+                  "fovea_front_affinity_total", outcome="hit")
+    for image, answer in zip(images, expected, strict=True):
+        replies = [httpx.post(ray_front.base + "/v1/chat/completions", json=chat(image), headers=AUTH, timeout=120)
+                   for _ in range(4)]
+        assert [content(r) for r in replies] == [answer] * 4
+        assert len({r.headers["x-fovea-pd-worker"] for r in replies}) == 1  # all four where the first went
+    body = httpx.get(ray_front.base + "/metrics", headers=AUTH, timeout=30).text
+    assert metric(body, "fovea_front_affinity_total", outcome="hit") - hits == 6  # the three repeats of each
 
 
 def test_the_api_key_is_enforced_at_the_front(ray_front):
@@ -180,3 +206,21 @@ def test_sigterm_leaves_no_actor_and_no_process_behind(ray_front):
     for pid in pids:
         wait_for(f"PD worker process {pid} was left running", lambda pid=pid: not Path(f"/proc/{pid}").exists(),
                  timeout=30)
+
+
+def test_agg_replicas_on_ray_answer_as_agg_on_two_nodes(ray_front, demo_model, tmp_path):
+    # Runs after the SIGTERM test above stopped the e_pd front: nodes A and C (B was removed) have
+    # room for a PD worker each.
+    replicas = start_front(ray_front.cluster, ray_front.nodes, tmp_path / "agg-front.log", "--topology", "agg")
+    try:
+        workers = ready_workers(replicas)
+        assert len({w["node"] for w in workers}) == 2  # one replica on each node with room
+        images = [scenes.render(fresh_scene(95_000 + i)) for i in range(16)]
+        replies = asyncio.run(post_all(replicas.base, [chat(image) for image in images]))
+        assert [content(r) for r in replies] == agg_texts(demo_model, images)
+        assert {r.headers["x-fovea-pd-worker"] for r in replies} == {"0", "1"}
+        assert "-> this PD worker" not in replicas.log.read_text(errors="replace")  # type: ignore[attr-defined]
+        replicas.process.send_signal(signal.SIGTERM)
+        assert replicas.process.wait(90) == 0
+    finally:
+        stop_process(replicas.process)
