@@ -256,6 +256,19 @@ def test_exif_transpose_failure_is_ignored_not_refused(monkeypatch: pytest.Monke
     assert max_diff(decode(_with_orientation(6, "PNG")), _stored_for(pattern(), 6)) == 0
 
 
+@pytest.mark.parametrize("orientation", [None, 1, 9])
+def test_an_upright_image_is_not_copied(orientation: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing to turn: the decoded pixels are returned as they are, not copied (a 720p copy is 2.8 MB
+    # and half a millisecond of the API process's time to first token).
+    data = encode(Image.fromarray(smooth()), "JPEG", quality=95) if orientation is None else \
+        _with_orientation(orientation, "JPEG", smooth(), quality=95)
+    copies = []
+    real_copy = Image.Image.copy
+    monkeypatch.setattr(Image.Image, "copy", lambda self: copies.append(self.size) or real_copy(self))
+    assert mean_diff(decode(data), smooth()) < 2
+    assert copies == []
+
+
 def test_out_of_range_orientation_is_ignored() -> None:
     assert max_diff(decode(_with_orientation(9, "PNG", _stored_for(pattern(), 1))), pattern()) == 0
 

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from fovea.media.config import MediaConfig
 from fovea.media.errors import (
@@ -42,6 +42,8 @@ MiB = 1024 * 1024
 # warnings.catch_warnings and ImageFile.LOAD_TRUNCATED_IMAGES are process-global; this lock keeps our
 # own threads from interleaving their save/restore of them.
 _GLOBALS_LOCK = threading.Lock()
+# The EXIF orientations that exif_transpose turns or flips (1 and anything else: as stored).
+_TURNED = frozenset(range(2, 9))
 
 
 def decode_image_bytes(data: bytes, config: MediaConfig, reduce_to: int | None = None) -> Image.Image:
@@ -166,7 +168,11 @@ def _truncated_images_refused() -> Iterator[None]:
 
 
 def _upright(im: Image.Image) -> Image.Image:
+    """``im`` turned as its EXIF orientation says; ``im`` itself when there is nothing to turn
+    (``exif_transpose`` would return a full copy of the pixels then: 2.8 MB at 1280x720)."""
     try:
+        if im.getexif().get(ExifTags.Base.Orientation, 1) not in _TURNED:
+            return im
         return ImageOps.exif_transpose(im)
     except Exception:  # noqa: BLE001 - any failure reading EXIF means "no orientation"
         # Broken EXIF is common in camera files and says nothing reliable about orientation;
