@@ -187,3 +187,28 @@ def test_an_encode_worker_patches_qwen_images_as_the_engine_does(tmp_path):
             pool.encode(prompt.images)
     finally:
         pool.stop()
+
+
+def test_a_processor_override_with_qwen_in_e_pd_is_refused_at_start_up(tmp_path, demo_model, monkeypatch):
+    """Encode workers patch Qwen-VL's resized images with the model directory's recipe, so an
+    override would fail every image request there: the server refuses it before any worker starts.
+    LLaVA-style models send pixels normalised in the API process, override applied, and start."""
+    import fovea.disagg.encoder_pool as encoder_pool
+    from fovea.config import ServerSettings
+    from fovea.errors import ModelLoadError
+    from fovea.loading.contract import check_contract
+    from fovea.loading.loader import load_model
+    from fovea.serve.app import sends_resized_images, start_encode_workers
+    from fovea.testing.random_qwen2_5_vl import write_model_dir
+
+    qwen = load_model(write_model_dir(tmp_path / "qwen", arch="tiny", seed=3), "cpu", "float32")
+    override = {"max_pixels": 200_000}
+    contract = check_contract(qwen, override=override)
+    assert contract.processor_override  # the override took
+    started = []
+    monkeypatch.setattr(encoder_pool, "EncoderPool", lambda *a, **k: started.append(1))
+    settings = ServerSettings(model=str(qwen.path), topology="e_pd", device="cpu", processor_override=override)
+    with pytest.raises(ModelLoadError, match="--processor-override .* is not applied in encode workers"):
+        start_encode_workers(settings, qwen, contract, metrics=None, config=None)
+    assert not started
+    assert sends_resized_images(qwen) and not sends_resized_images(demo_model)

@@ -210,6 +210,14 @@ def load_and_check(settings: ServerSettings, loaded: LoadedModel | None) -> tupl
     return loaded, contract
 
 
+def sends_resized_images(loaded: LoadedModel) -> bool:
+    """Whether the codec sends resized uint8 images that the vision stage patches (qwen_pixels),
+    rather than pixels already normalised in the API process."""
+    from fovea.models.qwen_pixels import host_resize_supported
+
+    return hasattr(loaded.adapter, "patch_recipe") and host_resize_supported(loaded.codec.image_processor)
+
+
 def start_encode_workers(settings: ServerSettings, loaded: LoadedModel, contract: ModelContract, metrics: Metrics,
                          config) -> EncoderPool:
     """The e_pd topology's encode workers, started and ready. They run the vision stage agg would
@@ -217,6 +225,11 @@ def start_encode_workers(settings: ServerSettings, loaded: LoadedModel, contract
     give the same rows."""
     from fovea.disagg.encoder_pool import EncoderPool
 
+    if contract.processor_override and sends_resized_images(loaded):
+        raise ModelLoadError(
+            f"--processor-override {contract.processor_override} is not applied in encode workers, which "
+            "normalise and patch Qwen-VL's resized images with the model directory's own recipe: serve without "
+            "the override, or with --topology agg")
     encode_device = (resolve_device(settings.encode_device, "--encode-device") if settings.encode_device
                      else loaded.device)
     fused = config.resolved(encode_device, loaded.context_length,
