@@ -193,8 +193,8 @@ def test_a_processor_override_with_qwen_in_e_pd_is_refused_at_start_up(tmp_path,
     """Encode workers patch Qwen-VL's resized images with the model directory's recipe, so an
     override would fail every image request there: the server refuses it before any worker starts.
     LLaVA-style models send pixels normalised in the API process, override applied, and start."""
-    import fovea.disagg.encoder_pool as encoder_pool
     from fovea.config import ServerSettings
+    from fovea.disagg import encoder_pool
     from fovea.errors import ModelLoadError
     from fovea.loading.contract import check_contract
     from fovea.loading.loader import load_model
