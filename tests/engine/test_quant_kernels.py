@@ -321,6 +321,87 @@ def test_int4_gemm_magic_unpacking(dtype, per_nibble, fold, with_zeros):
         assert_close_for(y.float(), ref, torch.float32, k, storage=dtype if dtype != torch.float32 else None)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("with_zeros", [True, False])
+def test_int4_gemv_kernel(dtype, with_zeros):
+    """The matrix-vector kernel (no matrix instructions) gives the product of the dequantised
+    weight for 1 to 4 rows, split over K and not, with a partial last column tile and bias."""
+    from fovea.engine.kernels.quant_matmul import GemmConfig, int4_gemm
+
+    n, k, group = 40, 512, 128
+    packed, scales, zeros, w = make_int4(k, n, group, seed=60, with_zeros=with_zeros, dtype=dtype)
+    for rows, split, block_k in ((1, 0, 128), (3, 1, 64), (4, 2, 32)):
+        x = rand(rows, k, seed=61 + rows, dtype=dtype)
+        bias = rand(n, seed=65, dtype=dtype) if rows == 3 else None
+        config = GemmConfig(1, 32, block_k, split, 4, 3, magic=True, gemv=True)
+        y = int4_gemm(x, packed, scales, zeros, group, bias, config)
+        ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        assert_close_for(y.float(), ref, torch.float32, k, storage=dtype if dtype != torch.float32 else None)
+
+
+@needs_triton
+def test_int4_gemv_sees_every_nibble_of_its_row():
+    """One nibble changed in the matrix-vector kernel's input moves exactly its output column, by
+    the activation times the scale times the change in the code."""
+    from fovea.engine.kernels.quant_matmul import GemmConfig, int4_gemm
+
+    n, k, group = 16, 256, 128
+    packed, scales, zeros, _w = make_int4(k, n, group, seed=66, with_zeros=True, dtype=torch.float32)
+    x = rand(1, k, seed=67)
+    config = GemmConfig(1, 16, 128, 1, 4, 3, magic=True, gemv=True)
+    base = int4_gemm(x, packed, scales, zeros, group, None, config)
+    for row, col, nibble in ((0, 3, 0), (20, 9, 7), (31, 15, 4)):
+        word = int(packed[row, col]) & 0xFFFFFFFF
+        code = (word >> (4 * nibble)) & 0xF
+        new_code = (code + 5) % 16
+        new = (word & ~(0xF << (4 * nibble))) | (new_code << (4 * nibble))
+        changed = packed.clone()
+        changed[row, col] = new - (1 << 32) if new >= (1 << 31) else new
+        y = int4_gemm(x, changed, scales, zeros, group, None, config)
+        assert (y != base).nonzero()[:, 1].unique().tolist() == [col]
+        kk = 8 * row + nibble
+        expected = x[0, kk] * scales[kk // group, col] * (new_code - code)
+        # both outputs carry the rounding of a K-long float32 sum of the row's size
+        assert_close_for(y[0, col] - base[0, col], expected, torch.float32, k, scale=float(base.abs().max()))
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_fp8_gemv_kernel(rows):
+    """The FP8 matrix-vector kernel, per-channel and with block scales, split over K and not."""
+    from fovea.engine.kernels.quant_matmul import GemmConfig, fp8_block_linear, fp8_gemm
+
+    n, k = 72, 320  # partial tiles in N and K
+    weight, scale, w = make_fp8(n, k, seed=70)
+    x = rand(rows, k, seed=71)
+    xq, xs = torch_quant(x, k)
+    for split in (0, 1, 2):
+        y = fp8_gemm(xq, xs, weight, scale, None, torch.float32, config=GemmConfig(1, 32, 64, split, 4, 3, gemv=True))
+        check_fp8(y, x, w, expand_scales(xs, k, k), xq, None, torch.float32, k)
+    block = (32, 64)
+    weight, scale, w = make_fp8(n, k, seed=72, block=block)
+    xb = rand(rows, k, seed=73, dtype=torch.bfloat16)
+    xb[:, 64:128] *= 30
+    bias = rand(n, seed=74, dtype=torch.bfloat16)
+    y = fp8_block_linear(xb, weight, scale, block, bias, config=GemmConfig(1, 16, 64, 2, 4, 3, gemv=True))
+    xq, xs = torch_quant(xb, 64)
+    check_fp8(y, xb, w, expand_scales(xs, 64, k), xq, bias, torch.bfloat16, k)
+
+
+def test_gemv_candidates_only_for_few_rows():
+    from fovea.engine.kernels.quant_gemv import GEMV_MAX_ROWS
+    from fovea.engine.kernels.quant_matmul import fp8_candidates, int4_candidates
+
+    for candidates in (fp8_candidates, lambda rows: int4_candidates(rows, 128)):
+        assert not candidates(1)[0].gemv  # the tensor-core kernel stays the default
+        assert any(c.gemv for c in candidates(GEMV_MAX_ROWS))
+        assert not any(c.gemv for c in candidates(GEMV_MAX_ROWS + 1))
+    assert all(c.block_k <= 64 for c in fp8_candidates(1, 64) if c.gemv)
+    assert all(c.block_k == 32 for c in int4_candidates(1, 32) if c.gemv)
+
+
 def test_int4_candidates_keep_the_old_unpacking_and_fit_the_group():
     from fovea.engine.kernels.quant_matmul import int4_candidates
 
