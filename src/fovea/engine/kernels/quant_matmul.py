@@ -52,7 +52,6 @@ from fovea.engine.kernels.fp8_quantize import (
     quantize_per_token,
     quantize_per_token_group,
 )
-from fovea.engine.kernels.quant_gemv import GEMV_MAX_ROWS, gemv_kernels
 from fovea.engine.kernels.triton_util import next_pow2
 
 log = logging.getLogger("fovea.engine.paged")
@@ -89,12 +88,11 @@ class GemmConfig:
     magic: bool = False  # int4: codes made floats from their bits, not converted (the kernel's comment)
     per_nibble: bool = False  # int4: one product per nibble position, no reshape (block_k >= 128)
     fold: bool = False  # int4 with magic, bf16/fp16: the zero points taken off the accumulator, not each weight
-    gemv: bool = False  # the matrix-vector kernel (quant_gemv; at most GEMV_MAX_ROWS rows, block_m unused)
 
     def describe(self) -> str:
         split = "auto" if self.split_k == 0 else str(self.split_k)
         unpack = "".join(f" {name}" for name, on in (("magic", self.magic), ("nibbles", self.per_nibble),
-                                                       ("fold", self.fold), ("gemv", self.gemv)) if on)
+                                                       ("fold", self.fold)) if on)
         return (f"{self.block_m}x{self.block_n}x{self.block_k} split={split} "
                 f"w{self.num_warps}s{self.num_stages}{unpack}")
 
@@ -368,10 +366,6 @@ def _m_bucket(rows: int) -> int:
 def fp8_candidates(rows: int, block_k_max: int = 128) -> list[GemmConfig]:
     """The configurations timed for an FP8 product of ``rows`` rows (the first is the default)."""
     bk = min(128, block_k_max)
-    if rows <= GEMV_MAX_ROWS:  # the tensor-core kernel first (the default), then the matrix-vector ones
-        gemv = [GemmConfig(1, bn, min(wide, block_k_max), 0, warps, stages, gemv=True)
-                for bn, wide, warps, stages in ((32, 128, 4, 4), (16, 256, 4, 4), (64, 128, 8, 3), (32, 256, 8, 3))]
-        return [GemmConfig(16, 64, bk, 0, 4, 4), GemmConfig(16, 128, bk, 0, 4, 4), *gemv]
     if rows <= SMALL_M:
         return [GemmConfig(16, 64, bk, 0, 4, 4), GemmConfig(16, 128, bk, 0, 4, 4), GemmConfig(16, 32, bk, 0, 2, 5)]
     if rows <= 64:
@@ -389,9 +383,6 @@ def int4_candidates(rows: int, group: int, unpack: str = "all") -> list[GemmConf
     def magic(bm, bn, bk, split, warps, stages, nibbles=False, fold=False):
         return GemmConfig(bm, bn, bk, split, warps, stages, magic=True, per_nibble=nibbles, fold=fold)
 
-    def gemv(bn, bk, warps, stages):  # quant_gemv's kernel: magic unpacking, no matrix instructions
-        return GemmConfig(1, bn, bk, 0, warps, stages, magic=True, gemv=True)
-
     if rows <= SMALL_M:
         shift = [GemmConfig(16, 64, 128, 0, 4, 4), GemmConfig(16, 128, 128, 0, 4, 3),
                  GemmConfig(16, 32, 128, 0, 2, 5), GemmConfig(16, 64, 64, 0, 4, 5)]
@@ -402,9 +393,6 @@ def int4_candidates(rows: int, group: int, unpack: str = "all") -> list[GemmConf
                 magic(16, 128, 128, 0, 4, 3), magic(16, 128, 128, 0, 4, 3, fold=True),
                 magic(16, 64, 128, 0, 4, 4, nibbles=True), magic(16, 64, 128, 0, 4, 4, nibbles=True, fold=True),
                 magic(16, 32, 128, 0, 2, 5), magic(16, 64, 128, 0, 4, 6, fold=True)]
-        if rows <= GEMV_MAX_ROWS:
-            fast += [gemv(128, 128, 4, 4), gemv(64, 128, 4, 4), gemv(256, 128, 8, 3), gemv(128, 128, 4, 2),
-                     gemv(64, 64, 2, 4)]
     elif rows <= 64:
         shift = [GemmConfig(32, 128, 64, 0, 4, 4), GemmConfig(64, 64, 64, 0, 4, 4), GemmConfig(16, 128, 128, 0, 4, 3)]
         fast = [magic(32, 128, 64, 0, 4, 4), magic(32, 128, 64, 0, 4, 4, fold=True), magic(64, 64, 64, 0, 4, 4),
@@ -435,20 +423,12 @@ def _pow2_divisor(want: int, group: int) -> int:
     return bk
 
 
-def _gemv_rows(rows: int) -> int:
-    """The matrix-vector kernel's ROWS: a power of two >= ``rows``, at most ``GEMV_MAX_ROWS``."""
-    if rows > GEMV_MAX_ROWS:
-        raise ValueError(f"the matrix-vector kernel takes at most {GEMV_MAX_ROWS} rows, got {rows}")
-    return next_pow2(rows)
-
-
 def _splits(rows: int, n: int, k: int, config: GemmConfig, unit: int, sms: int) -> tuple[int, int]:
     """(number of K splits, K per split: a multiple of ``unit``)."""
     k_units = -(-k // unit)
     split = config.split_k
     if split == 0:
-        row_tiles = 1 if config.gemv else -(-rows // config.block_m)  # a matrix-vector program takes every row
-        tiles = row_tiles * -(-n // config.block_n)
+        tiles = -(-rows // config.block_m) * -(-n // config.block_n)
         split = 1 if tiles >= sms else -(-2 * sms // tiles)
     split = max(1, min(split, MAX_SPLIT_K, k_units))
     per = -(-k_units // split) * unit
@@ -519,18 +499,15 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: to
     splits, per = _splits(rows, n, k, config, config.block_k, _device_sms(xq.device))
     partial = splits > 1
     target = torch.empty((splits, rows, n), dtype=torch.float32, device=xq.device) if partial else out
+    grid = (-(-rows // config.block_m) * -(-n // config.block_n), splits)
     group_n, group_k = block if block is not None else (1, 1)
-    args = (xq, xs, weight, scale, target, bias if bias is not None else out, rows, n, k, per,
-            xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0) if block is not None else 0,
-            target.stride(0) if partial else 0, target.stride(-2), group_n, group_k)
-    shape = {"BLOCK_SCALED": block is not None, "HAS_BIAS": bias is not None, "PARTIAL": partial,
-             "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "num_warps": config.num_warps,
-             "num_stages": config.num_stages}
-    if config.gemv:
-        gemv_kernels()[0][(-(-n // config.block_n), splits)](*args, ROWS=_gemv_rows(rows), **shape)
-    else:
-        grid = (-(-rows // config.block_m) * -(-n // config.block_n), splits)
-        _kernels()[0][grid](*args, BLOCK_M=config.block_m, GROUP_M=8, **shape)
+    _kernels()[0][grid](
+        xq, xs, weight, scale, target, bias if bias is not None else out, rows, n, k, per,
+        xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0) if block is not None else 0,
+        target.stride(0) if partial else 0, target.stride(-2), group_n, group_k,
+        BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, PARTIAL=partial,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     if partial:
         _finish(target, bias, out, splits)
     return out
@@ -664,21 +641,17 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
     splits, per = _splits(rows, n, k, config, group, _device_sms(x.device))
     partial = splits > 1
     target = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device) if partial else out
-    args = (x, packed, scales, zeros if zeros is not None else scales, target, bias if bias is not None else out,
-            rows, n, k, per, x.stride(0), packed.stride(0), scales.stride(0),
-            zeros.stride(0) if zeros is not None else 0, target.stride(0) if partial else 0, target.stride(-2))
-    shape = {"GROUP": group, "HAS_ZEROS": zeros is not None, "HAS_BIAS": bias is not None, "PARTIAL": partial,
-             "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "num_warps": config.num_warps,
-             "num_stages": config.num_stages}
-    if config.gemv:
-        gemv_kernels()[1][(-(-n // config.block_n), splits)](*args, ROWS=_gemv_rows(rows), **shape)
-    else:
-        grid = (-(-rows // config.block_m) * -(-n // config.block_n), splits)
-        _kernels()[1][grid](
-            *args, BLOCK_M=config.block_m, GROUP_M=8, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            UPCAST=interpreting() and x.dtype == torch.bfloat16,
-            MAGIC_BITS=_MAGIC[x.dtype][0] if config.magic else 0, MAGIC=_MAGIC[x.dtype][1],
-            PER_NIBBLE=config.per_nibble, FOLD=config.fold and config.magic and x.dtype != torch.float32, **shape)
+    grid = (-(-rows // config.block_m) * -(-n // config.block_n), splits)
+    _kernels()[1][grid](
+        x, packed, scales, zeros if zeros is not None else scales, target, bias if bias is not None else out,
+        rows, n, k, per, x.stride(0), packed.stride(0), scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0, target.stride(0) if partial else 0, target.stride(-2),
+        GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, PARTIAL=partial,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=interpreting() and x.dtype == torch.bfloat16,
+        MAGIC_BITS=_MAGIC[x.dtype][0] if config.magic else 0, MAGIC=_MAGIC[x.dtype][1],
+        PER_NIBBLE=config.per_nibble, FOLD=config.fold and config.magic and x.dtype != torch.float32,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     if partial:
         _finish(target, bias, out, splits)
     return out
