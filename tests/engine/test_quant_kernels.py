@@ -337,12 +337,11 @@ def test_int4_candidates_keep_the_old_unpacking_and_fit_the_group():
 def test_the_choice_skips_a_candidate_that_cannot_run(monkeypatch):
     """A candidate that fails (a tile past the GPU's shared memory) is logged and skipped; the
     fastest of the others is kept. Only when none runs does the error surface."""
-    testing = pytest.importorskip("triton.testing")
     from fovea.engine.kernels import quant_matmul as qm
 
     monkeypatch.setattr(qm, "_cannot_time", lambda: False)
     monkeypatch.setattr(qm, "_CHOSEN", {})
-    monkeypatch.setattr(testing, "do_bench", lambda fn, warmup, rep: fn())
+    monkeypatch.setattr(qm, "launch_time", lambda launch: launch())
     cands = [qm.GemmConfig(16, 64, 128), qm.GemmConfig(16, 32, 128), qm.GemmConfig(16, 128, 128)]
 
     def launch(c):
@@ -352,6 +351,19 @@ def test_the_choice_skips_a_candidate_that_cannot_run(monkeypatch):
     assert qm._choose(("int4", 1), cands, launch) == cands[2]
     with pytest.raises(RuntimeError, match="out of resources"):
         qm._choose(("int4", 2), [cands[0], cands[0]], launch)  # (one candidate alone is not timed)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="times launches on a CUDA GPU")
+def test_the_choice_times_gpu_work_not_the_launch():
+    """A candidate's time is its GPU time with cold caches: a copy of 8x the bytes takes several
+    times longer (timed from the host one launch at a time, both were the launch's cost)."""
+    from fovea.engine.kernels.triton_util import launch_time
+
+    small = [torch.empty(8 << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    large = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    t_small = launch_time(lambda: small[0].copy_(small[1]))
+    t_large = launch_time(lambda: large[0].copy_(large[1]))
+    assert 0 < t_small and 3 * t_small < t_large, (t_small, t_large)
 
 
 @needs_triton

@@ -52,7 +52,7 @@ from fovea.engine.kernels.fp8_quantize import (
     quantize_per_token,
     quantize_per_token_group,
 )
-from fovea.engine.kernels.triton_util import next_pow2
+from fovea.engine.kernels.triton_util import launch_time, next_pow2
 
 log = logging.getLogger("fovea.engine.paged")
 
@@ -444,12 +444,10 @@ def _choose(key: tuple, candidates: list[GemmConfig], launch) -> GemmConfig:
         return config
     if _cannot_time() or len(candidates) == 1:
         return candidates[0]
-    import triton
-
     times, failed = [], []
     for c in candidates:
         try:
-            times.append(triton.testing.do_bench(lambda c=c: launch(c), warmup=5, rep=20))
+            times.append(launch_time(lambda c=c: launch(c)))
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile here (resources) is skipped
             times.append(float("inf"))
             failed.append(exc)

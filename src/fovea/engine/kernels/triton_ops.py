@@ -27,7 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.kernels.triton_util import next_pow2
+from fovea.engine.kernels.triton_util import launch_time, next_pow2
 
 log = logging.getLogger("fovea.engine.paged")
 
@@ -196,10 +196,7 @@ def _cannot_time() -> bool:
 
 def _fastest_gemv_config(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
     """Time every configuration on this shape; the fastest."""
-    import triton
-
-    times = [triton.testing.do_bench(lambda c=c: gemv_launch(x, weight, *c, GEMV_STAGES), warmup=5, rep=25)
-             for c in GEMV_CONFIGS]
+    times = [launch_time(lambda c=c: gemv_launch(x, weight, *c, GEMV_STAGES)) for c in GEMV_CONFIGS]
     return GEMV_CONFIGS[min(range(len(times)), key=times.__getitem__)]
 
 
@@ -230,10 +227,8 @@ def gemv_launch(x: torch.Tensor, weight: torch.Tensor, block_n: int, block_k: in
 
 def _triton_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Time both on this shape once (weights streamed from memory, as in a decode step)."""
-    import triton
-
-    t_triton = triton.testing.do_bench(lambda: gemv(x, weight), warmup=5, rep=20)
-    t_cublas = triton.testing.do_bench(lambda: F.linear(x, weight), warmup=5, rep=20)
+    t_triton = launch_time(lambda: gemv(x, weight))
+    t_cublas = launch_time(lambda: F.linear(x, weight))
     log.debug("matrix-vector %sx%s rows=%d: triton %.1f us, cuBLAS %.1f us", weight.shape[0], weight.shape[1],
               x.shape[0], 1e3 * t_triton, 1e3 * t_cublas)
     return t_triton < 0.97 * t_cublas

@@ -1,5 +1,5 @@
-"""What the Triton kernel modules share: whether a kernel can run here, tile sizing, and a
-CUDA timer for benchmarks.
+"""What the Triton kernel modules share: whether a kernel can run here, tile sizing, a CUDA
+timer for benchmarks and the autotuners' timer (``launch_time``).
 
 triton is imported lazily everywhere: fovea imports on machines without it (CPU serving,
 CI), and the kernels are used only where ``available()`` says so.
@@ -7,10 +7,14 @@ CI), and the kernels are used only where ``available()`` says so.
 
 from __future__ import annotations
 
+import functools
+import logging
 import statistics
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger("fovea.engine.paged")
 
 
 def available() -> bool:
@@ -43,3 +47,68 @@ def time_cuda(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> floa
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1000)
     return statistics.median(times)
+
+
+GRAPH_REPS = 20  # launches per timed graph
+GRAPH_REPLAYS = 5  # timed replays per graph (median)
+
+
+def launch_time(launch: Callable[[], object]) -> float:
+    """Milliseconds of GPU time per ``launch()``, as a decode step sees it: each launch follows a
+    write of twice the L2's size (its weights come from HBM, as they do when a step streams every
+    layer's), ``GRAPH_REPS`` of them captured in one CUDA graph (the host's launch cost, tens of
+    microseconds per Triton launch, would otherwise be most of what is timed), less the same
+    graph without the launches. Timing each launch by itself from the host (triton's do_bench)
+    chose nearly at random among kernels of 10-50 us (bench/quant_matmul.py --sweep, 2026-12-03:
+    2x off on some 7B shapes). The autotuners' timer; where no CUDA device is available, do_bench.
+    A launch that cannot run raises from its first, uncaptured call."""
+    launch()
+    if torch.cuda.is_available():
+        try:
+            return _graph_time(launch)
+        except RuntimeError as exc:  # a capture another thread's work invalidated: time it from the host
+            log.warning("timing in a CUDA graph failed (%s); timing from the host", str(exc).splitlines()[0][:200])
+    import triton
+
+    return triton.testing.do_bench(launch, warmup=5, rep=20)
+
+
+def _graph_time(launch: Callable[[], object]) -> float:
+    flush = torch.empty(2 * _l2_bytes(torch.cuda.current_device()), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def captured(with_launch: bool) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the engine core checks the vision stage in another thread meanwhile, whose
+        # allocations a global capture would refuse
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            for _ in range(GRAPH_REPS):
+                flush.zero_()
+                if with_launch:
+                    launch()
+        return graph
+
+    def timed(graph: torch.cuda.CUDAGraph) -> float:
+        graph.replay()  # warm
+        times = []
+        for _ in range(GRAPH_REPLAYS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    both, alone = captured(True), captured(False)
+    try:
+        return max(timed(both) - timed(alone), 0.0) / GRAPH_REPS
+    finally:
+        del both, alone
+        torch.cuda.current_stream().wait_stream(stream)
+
+
+@functools.cache
+def _l2_bytes(device_index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0) or 64 << 20)
