@@ -259,6 +259,8 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
         quantization=quantization,
         load_format=load_format,
     )
+    if hasattr(loaded.codec, "resize_on_device"):  # Qwen-VL: the image resize on the GPU (models.qwen_pixels)
+        loaded.codec.resize_on_device = torch_device.type == "cuda"
     if not weights:
         return loaded
     log.info(
