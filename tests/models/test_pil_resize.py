@@ -132,3 +132,15 @@ def test_self_check_fails_under_another_order(monkeypatch):
         assert not module.matches_pillow()
     finally:
         module.matches_pillow.cache_clear()
+
+
+def test_a_pass_in_slices_is_the_same(monkeypatch):
+    """Large images are resampled in slices across the other axis (bounded temporaries): slices of
+    a few rows or columns, and a last short one, give Pillow's result too."""
+    import fovea.models.pil_resize as module
+
+    rng = np.random.default_rng(18)
+    for chunk in (1, 7 * 3 * 5, 1000):
+        monkeypatch.setattr(module, "CHUNK_ELEMENTS", chunk)
+        for w0, h0, w1, h1 in [(37, 23, 29, 41), (40, 90, 14, 84), (64, 48, 56, 56)]:
+            _check(_image(rng, h0, w0), h1, w1)

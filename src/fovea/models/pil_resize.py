@@ -31,6 +31,7 @@ import torch
 PRECISION_BITS = 22
 _HALF = 1 << (PRECISION_BITS - 1)
 _INT32_LIMIT = 1 << 31
+CHUNK_ELEMENTS = 1 << 22  # outputs of a pass computed at once: 16 MiB per int32 temporary
 
 
 def _bicubic(x: float) -> float:
@@ -85,16 +86,29 @@ def _coeffs(in_size: int, out_size: int, device: torch.device) -> tuple[torch.Te
 
 def _pass(image: torch.Tensor, out_size: int, axis: int) -> torch.Tensor:
     """One resampling pass of ``image`` ([H, W, C] uint8) along ``axis`` (0: rows, vertical;
-    1: columns, horizontal) to ``out_size``; uint8, as Pillow stores its intermediate image."""
+    1: columns, horizontal) to ``out_size``; uint8, as Pillow stores its intermediate image. In
+    slices across the other axis of at most ``CHUNK_ELEMENTS`` outputs, so that the integer
+    temporaries stay small (~50 MB) whatever the image."""
     index, coeff = _coeffs(image.shape[axis], out_size, image.device)
     shape = [1, 1, 1]
     shape[axis] = out_size
-    acc = torch.full([out_size if d == axis else s for d, s in enumerate(image.shape)], _HALF,
-                     dtype=coeff.dtype, device=image.device)
-    for k in range(index.shape[0]):  # a few taps (5 to ~13 for bicubic up to 3x down): small temporaries
-        acc += image.index_select(axis, index[k]).to(coeff.dtype) * coeff[k].view(shape)
-    # clip8: Pillow looks ``acc >> 22`` up in a table that is 0 below 0 and 255 from 255 on
-    return torch.bitwise_right_shift(acc, PRECISION_BITS).clamp_(0, 255).to(torch.uint8)
+    taps = coeff.view(-1, *shape)
+    across = 1 - axis
+    out_shape = list(image.shape)
+    out_shape[axis] = out_size
+    out = torch.empty(out_shape, dtype=torch.uint8, device=image.device)
+    step = max(1, CHUNK_ELEMENTS // (out_size * image.shape[2]))
+    for start in range(0, image.shape[across], step):
+        part = image.narrow(across, start, min(step, image.shape[across] - start))
+        acc = None
+        for k in range(index.shape[0]):  # a few taps (5 for bicubic up to 1x, ~13 at 3x down)
+            term = part.index_select(axis, index[k]).to(coeff.dtype) * taps[k]
+            acc = term if acc is None else acc.add_(term)
+        acc.add_(_HALF)
+        # clip8: Pillow looks ``acc >> 22`` up in a table that is 0 below 0 and 255 from 255 on
+        out.narrow(across, start, part.shape[across]).copy_(
+            torch.bitwise_right_shift(acc, PRECISION_BITS).clamp_(0, 255))
+    return out
 
 
 def _vertical_first(in_size: tuple[int, int], out_size: tuple[int, int]) -> bool:
