@@ -526,7 +526,8 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         grids = [tuple(int(v) for v in g) for g in theirs["image_grid_thw"].tolist()]
         if [item.grid for item in items] != grids:
             return f"grids {[item.grid for item in items]}, the processor's {grids}"
-        ours = vision_pixels(items, lambda: self.patch_recipe(loaded), torch.device("cpu"), torch.float32)
+        # On the model's device, as the vision stage runs (where it resizes too, on CUDA: pil_resize's kernels).
+        ours = vision_pixels(items, lambda: self.patch_recipe(loaded), loaded.device, torch.float32).cpu()
         want = theirs["pixel_values"].to(torch.float32)
         if ours.shape != want.shape or not torch.equal(ours, want):
             worst = (ours - want).abs().max().item() if ours.shape == want.shape else float("nan")
