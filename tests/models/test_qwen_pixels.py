@@ -268,3 +268,13 @@ def test_the_contract_and_the_vision_stages_take_deferred_images(tmp_path, monke
     assert label.startswith("fused")
     for ours, want in zip(encode(deferred), encode(host), strict=True):
         assert torch.equal(ours, want)
+
+
+def test_the_choice_reaches_preprocess_worker_processes(codec_7b):
+    """--preprocess-workers processes get a pickled copy of the codec: the start-up choice goes with it."""
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(deferring_codec(codec_7b.tokenizer)))
+    assert copy.resize_on_device is True
+    (item,) = copy._image_inputs([noise(333, 517, 2)])
+    assert item.pixels.shape == (517, 333, 3)
