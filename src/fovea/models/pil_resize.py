@@ -34,42 +34,42 @@ _INT32_LIMIT = 1 << 31
 CHUNK_ELEMENTS = 1 << 22  # outputs of a pass computed at once: 16 MiB per int32 temporary
 
 
-def _bicubic(x: float) -> float:
+def _bicubic(x: np.ndarray) -> np.ndarray:
+    """Pillow's ``bicubic_filter`` (a = -0.5), elementwise in float64, each branch's operations in
+    the C code's order (so each weight is the same double)."""
     a = -0.5
-    x = abs(x)
-    if x < 1.0:
-        return ((a + 2.0) * x - (a + 3.0)) * x * x + 1
-    if x < 2.0:
-        return (((x - 5) * x + 8) * x - 4) * a
-    return 0.0
+    x = np.abs(x)
+    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
 
 
 @functools.lru_cache(maxsize=64)
 def _host_coeffs(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
     """([out, k] int64 input indices, [out, k] int64 fixed-point coefficients) of one pass from
     ``in_size`` to ``out_size`` pixels, as Pillow's ``precompute_coeffs`` + ``normalize_coeffs_8bpc``
-    compute them (unused taps: coefficient 0 at a valid index)."""
+    compute them, vectorised over the outputs with the same double operations in the same order
+    (unused taps: coefficient 0 at a valid index)."""
     scale = in_size / out_size
     filterscale = max(scale, 1.0)
     support = 2.0 * filterscale
     ksize = math.ceil(support) * 2 + 1
-    index = np.zeros((out_size, ksize), np.int64)
-    coeff = np.zeros((out_size, ksize), np.int64)
     ss = 1.0 / filterscale
+    center = (np.arange(out_size, dtype=np.float64) + 0.5) * scale
+    xmin = np.maximum((center - support + 0.5).astype(np.int64), 0)  # C's (int): toward zero
+    xmax = np.minimum((center + support + 0.5).astype(np.int64), in_size) - xmin
+    taps = np.arange(ksize, dtype=np.int64)
+    used = taps[None, :] < xmax[:, None]
+    position = (taps[None, :] + xmin[:, None]).astype(np.float64)  # C: x + xmin, an int, then - center
+    weights = np.where(used, _bicubic((position - center[:, None] + 0.5) * ss), 0.0)
+    total = np.zeros(out_size, dtype=np.float64)
+    for k in range(ksize):  # summed tap by tap, as the C loop (the unused taps add 0.0)
+        total = total + weights[:, k]
+    weights = np.where(total[:, None] != 0.0, weights / np.where(total == 0.0, 1.0, total)[:, None], weights)
     unit = float(1 << PRECISION_BITS)
-    for xx in range(out_size):
-        center = (xx + 0.5) * scale
-        xmin = max(int(center - support + 0.5), 0)  # int(): truncation toward zero, as C's cast
-        xmax = min(int(center + support + 0.5), in_size) - xmin
-        weights = [_bicubic((x + xmin - center + 0.5) * ss) for x in range(xmax)]
-        total = 0.0
-        for w in weights:  # summed in order, as the C loop
-            total += w
-        if total != 0.0:
-            weights = [w / total for w in weights]
-        index[xx, :xmax] = np.arange(xmin, xmin + xmax)
-        index[xx, xmax:] = xmin
-        coeff[xx, :xmax] = [int(-0.5 + w * unit) if w < 0 else int(0.5 + w * unit) for w in weights]
+    scaled = weights * unit
+    coeff = np.where(used, np.where(weights < 0, -0.5 + scaled, 0.5 + scaled).astype(np.int64), 0)
+    index = np.where(used, taps[None, :] + xmin[:, None], xmin[:, None])
     return index, coeff
 
 
