@@ -23,7 +23,8 @@ keeps the resize on the host). The grid fixes the target size (grid * patch_size
 uint8 size differs from it is resized there. Images more than ``DEFER_MAX_RATIO`` times the target's
 pixels (or over ``DEFER_MAX_PIXELS``) are still resized on the host: their decoded bytes would
 cross the shared memory (``engine.process.wire``) and the host link for little. On a CPU-only server
-the host resize is as fast, so it stays there (``resize_image``).
+Pillow's resize is faster than ``pil_resize`` on the CPU (~4x), so it stays in the API process
+(``resize_image``).
 
 After the resize, the rescale and normalisation map each (channel, uint8 value) to one float32, so
 they are computed once per recipe, on the CPU, with the processor's own arithmetic on the 256
