@@ -159,7 +159,8 @@ def test_the_metrics_count_each_images_hand_off(e_pd):
 
 
 def test_an_encode_worker_patches_qwen_images_as_the_engine_does(tmp_path):
-    """Qwen-VL images reach an encode worker as the API process resized them (uint8): the worker
+    """Qwen-VL images reach an encode worker as the API process resized them (uint8), or at their
+    decoded size (the resize deferred, as on CUDA): the worker resizes them to their grid,
     rescales, normalises and patches them as the engine's own vision stage does, and refuses
     images resized under a recipe other than its own reading of the model directory."""
     from PIL import Image
@@ -172,7 +173,8 @@ def test_an_encode_worker_patches_qwen_images_as_the_engine_does(tmp_path):
 
     qwen = load_model(write_model_dir(tmp_path / "qwen", arch="tiny", seed=3), "cpu", "float32")
     contract = check_contract(qwen)
-    prompt = qwen.codec.encode(qwen.codec.render(probe_chat(2)), [Image.effect_noise((300, 200), 50).convert("RGB"), Image.effect_noise((64, 90), 70).convert("RGB")])
+    images = [Image.effect_noise((300, 200), 50).convert("RGB"), Image.effect_noise((64, 90), 70).convert("RGB")]
+    prompt = qwen.codec.encode(qwen.codec.render(probe_chat(2)), images)
     assert all(image.pixels.dtype == torch.uint8 for image in prompt.images)
     pool = EncoderPool(qwen.path, workers=1, device="cpu", dtype="float32", model_id=contract.model_fingerprint,
                        recipe_fingerprint=contract.recipe_fingerprint, hidden=vision_row_width(qwen)).start()
@@ -182,9 +184,18 @@ def test_an_encode_worker_patches_qwen_images_as_the_engine_does(tmp_path):
         for ours, theirs in zip(rows, local, strict=True):
             assert ours.shape == theirs.shape
             assert_close_for(ours, theirs, torch.float32, 64)
+        # As served on a GPU: the images cross at their decoded size and the worker resizes them first.
+        qwen.codec.resize_on_device = True
+        deferred = qwen.codec.encode(qwen.codec.render(probe_chat(2)), images).images
+        assert [tuple(image.pixels.shape) for image in deferred] == [(200, 300, 3), (90, 64, 3)]
+        assert [image.grid for image in deferred] == [image.grid for image in prompt.images]
+        for ours, theirs in zip(pool.encode(deferred), local, strict=True):
+            assert ours.shape == theirs.shape
+            assert_close_for(ours, theirs, torch.float32, 64)
         pool.recipe_fingerprint = "a-recipe-with-another-mean"  # e.g. a --processor-override on the PD side
-        with pytest.raises(EncoderFailed, match="processor-override"):
-            pool.encode(prompt.images)
+        for sent in (prompt.images, deferred):
+            with pytest.raises(EncoderFailed, match="processor-override"):
+                pool.encode(sent)
     finally:
         pool.stop()
 

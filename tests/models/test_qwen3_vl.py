@@ -86,6 +86,22 @@ def test_the_prompt_equals_transformers_processor_apply_chat_template(qwen3):
     assert rows[:, 0].tolist() == ours.positions and int(delta) == ours.position_delta < 0
 
 
+def test_images_resized_on_the_device_patch_to_the_processors_pixel_values(qwen3, monkeypatch):
+    """As served on a GPU (``resize_on_device``): the images cross at their decoded size and the
+    vision stage resizes them to their grids (16 px patches here), bit for bit."""
+    monkeypatch.setattr(qwen3.codec, "resize_on_device", True)
+    images = [noise(w, h, i) for i, (w, h) in enumerate(SIZES)]
+    content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": "you"}]
+    messages = [{"role": "user", "content": content}]
+    theirs = transformers_processor(qwen3).apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                               return_dict=True, return_tensors="pt")
+    ours = encode_prompt(qwen3, render_chat(qwen3, messages), images)
+    assert [im.grid for im in ours.images] == [tuple(g) for g in theirs["image_grid_thw"].tolist()]
+    assert [tuple(im.pixels.shape) for im in ours.images] == [(h, w, 3) for w, h in SIZES]
+    assert torch.equal(patched(qwen3, ours.images), theirs["pixel_values"].to(torch.float32))
+    assert check_contract(qwen3).recipe_fingerprint  # the start-up check, on the deferred path
+
+
 def test_interleaved_mrope_tables_equal_transformers(qwen3):
     """Each frequency rotates by the row transformers' Qwen3VLTextRotaryEmbedding gives it."""
     prompt = chat(qwen3, [noise(300, 200, 5)])
@@ -198,7 +214,8 @@ def test_fovea_serve_answers_a_qwen3_chat_over_http(qwen3):
         prompt = chat(qwen3, [image], "you are")
         assert reply.json()["usage"]["prompt_tokens"] == len(prompt.input_ids)
         ref = reference_generate(qwen3, prompt, 5)  # the served answer is transformers'
-        assert reply.json()["choices"][0]["message"]["content"] == qwen3.tokenizer.decode(ref)
+        # The server leaves special tokens out of the text (skip_special_tokens, on by default).
+        assert reply.json()["choices"][0]["message"]["content"] == qwen3.tokenizer.decode(ref, skip_special_tokens=True)
         assert httpx.get(live.base_url + "/health", timeout=30).json()["model_family"] == "qwen3_vl"
     finally:
         stop_server(server, thread)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -144,3 +145,136 @@ def test_the_model_directory_is_read_with_the_pil_backend_whatever_is_installed(
 
     assert getattr(qwen.codec.image_processor, "backend", None) == "pil"
     assert host_resize_supported(qwen.codec.image_processor)
+
+
+# ---- the resize deferred to the vision stage (QwenCodec.resize_on_device: the engine on CUDA) -------------------
+
+# Qwen's often-used 1,280-token cap: a 1080p photo is over it, and within DEFER_MAX_RATIO of its target.
+CAPPED_MAX_PIXELS = 1280 * 28 * 28
+DEFERRED = {"720p": ((1280, 720), MAX_PIXELS), "portrait": ((720, 1280), MAX_PIXELS),
+            "odd": ((333, 517), MAX_PIXELS), "near min_pixels": ((40, 50), MAX_PIXELS),
+            "tiny, upscaled": ((9, 13), MAX_PIXELS), "1 px wide": ((1, 60), MAX_PIXELS),
+            "over max_pixels": ((1920, 1080), CAPPED_MAX_PIXELS), "over max_pixels, tall": ((700, 2900), CAPPED_MAX_PIXELS)}
+
+
+def deferring_codec(tokenizer, max_pixels: int = MAX_PIXELS, **kwargs) -> QwenCodec:
+    ip = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=max_pixels, patch_size=14, temporal_patch_size=2,
+                                  merge_size=2, **kwargs)
+    codec = QwenCodec(QwenProcessor(tokenizer, ip), "<|image_pad|>", 1, torch.float32)
+    codec.resize_on_device = True  # as the loader sets it where the model runs on CUDA
+    return codec
+
+
+@pytest.mark.parametrize("name", list(DEFERRED))
+def test_deferred_images_cross_at_their_own_size_and_patch_to_the_processors_values(codec_7b, name):
+    (width, height), max_pixels = DEFERRED[name]
+    codec = deferring_codec(codec_7b.tokenizer, max_pixels)
+    image = noise(width, height, seed=len(name))
+    (item,) = codec._image_inputs([image])
+    theirs = codec.image_processor(images=[image], return_tensors="pt")
+    assert [item.grid] == [tuple(g) for g in theirs["image_grid_thw"].tolist()]
+    _, h, w = item.grid
+    # What crosses to the engine core: the decoded image, not resized, whose size differs from the grid's.
+    assert is_resized_image(item.pixels) and item.pixels.shape[:2] != (h * 14, w * 14)
+    assert item.pixels.shape == (height, width, 3)
+    # ... and what the vision stage makes of it is the processor's pixel_values, bit for bit.
+    ours = vision_pixels([item], lambda: PatchRecipe.of(codec.image_processor), torch.device("cpu"), torch.float32)
+    assert ours.dtype == torch.float32 and torch.equal(ours, theirs["pixel_values"])
+    # The key is the decoded pixels' and the grid's: the host-resized image has its own.
+    codec.resize_on_device = False
+    (host,) = codec._image_inputs([image])
+    assert host.grid == item.grid and host.pixels.shape == (h * 14, w * 14, 3) and host.hash != item.hash
+    assert torch.equal(PatchRecipe.of(codec.image_processor).resized(item.pixels, item.grid), host.pixels)
+
+
+def test_a_batch_of_deferred_images_and_host_resized_ones_patches_each_to_its_grid(codec_7b):
+    codec = deferring_codec(codec_7b.tokenizer, CAPPED_MAX_PIXELS)
+    images = [noise(1280, 720, 1), noise(64, 64, 2), noise(333, 517, 3)]
+    items = codec._image_inputs(images)
+    codec.resize_on_device = False
+    items[1] = codec._image_inputs([images[1]])[0]  # resized on the host: at its grid's size already
+    theirs = codec.image_processor(images=images, return_tensors="pt")["pixel_values"]
+    ours = vision_pixels(items, lambda: PatchRecipe.of(codec.image_processor), torch.device("cpu"), torch.float32)
+    assert torch.equal(ours, theirs)
+
+
+def test_large_originals_are_still_resized_on_the_host(codec_7b):
+    """Over DEFER_MAX_RATIO times the target's pixels, or over DEFER_MAX_PIXELS, the decoded bytes
+    would cross the shared memory for little: the API process resizes those."""
+    from fovea.models import qwen_pixels
+
+    codec = deferring_codec(codec_7b.tokenizer, CAPPED_MAX_PIXELS)
+    for width, height in [(2600, 1600), (4100, 3300)]:  # 4.1x its target; 13.5 Mpx
+        (item,) = codec._image_inputs([noise(width, height, 7)])
+        _, h, w = item.grid
+        assert item.pixels.shape == (h * 14, w * 14, 3)
+        assert width * height > min(qwen_pixels.DEFER_MAX_RATIO * h * w * 196, qwen_pixels.DEFER_MAX_PIXELS)
+    (item,) = deferring_codec(codec_7b.tokenizer, MAX_PIXELS)._image_inputs([noise(4100, 3300, 7)])
+    assert 4100 * 3300 > qwen_pixels.DEFER_MAX_PIXELS and item.pixels.shape == (item.grid[1] * 14, item.grid[2] * 14, 3)
+    (item,) = codec._image_inputs([noise(2400, 1600, 7)])  # 3.8x its target: deferred
+    assert item.pixels.shape == (1600, 2400, 3)
+
+
+def test_only_a_bicubic_processor_and_a_matching_pillow_defer_the_resize(codec_7b, monkeypatch):
+    from fovea.models import pil_resize
+
+    image = noise(333, 517, 6)
+    bilinear = deferring_codec(codec_7b.tokenizer, resample=Image.Resampling.BILINEAR)
+    (item,) = bilinear._image_inputs([image])
+    assert item.pixels.shape == (item.grid[1] * 14, item.grid[2] * 14, 3)
+    theirs = bilinear.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+    assert torch.equal(PatchRecipe.of(bilinear.image_processor).patches(item.pixels, grid=item.grid), theirs)
+    # The recipe refuses to resize what it cannot resize as the processor does.
+    original = torch.from_numpy(np.array(image))
+    with pytest.raises(ValueError, match="BICUBIC"):
+        PatchRecipe.of(bilinear.image_processor).patches(original, grid=item.grid)
+    # A Pillow whose resize pil_resize does not match (its self-check fails): resized on the host.
+    monkeypatch.setattr(pil_resize, "matches_pillow", lambda: False)
+    (item,) = deferring_codec(codec_7b.tokenizer)._image_inputs([image])
+    assert item.pixels.shape == (item.grid[1] * 14, item.grid[2] * 14, 3)
+
+
+def test_the_codec_resizes_on_the_host_unless_the_model_runs_on_cuda(qwen):  # noqa: F811
+    assert qwen.device.type == "cpu" and qwen.codec.resize_on_device is False
+    (item,) = qwen.codec._image_inputs([noise(333, 517, 1)])
+    assert item.pixels.shape == (item.grid[1] * 14, item.grid[2] * 14, 3)
+
+
+def test_the_contract_and_the_vision_stages_take_deferred_images(tmp_path, monkeypatch):
+    """Served as on a GPU (the resize deferred), the start-up check finds the vision stage's
+    pixel_values equal to the processor's; the model's own vision forward and the fused stage
+    (an encode worker's too) give the rows of the host-resized images."""
+    from fovea.disagg.encode_worker import vision_stage
+    from fovea.engine.vision import vision_fused
+    from fovea.loading.loader import load_model
+    from fovea.loading.vision_part import load_vision_part
+    from fovea.testing.random_qwen2_5_vl import write_model_dir
+
+    path = write_model_dir(tmp_path / "q", arch="tiny", seed=3)
+    loaded = load_model(path, "cpu", "float32")
+    loaded.codec.resize_on_device = True
+    assert check_contract(loaded).recipe_fingerprint
+    images = [noise(333, 517, 1), noise(200, 120, 2)]
+    deferred = loaded.codec._image_inputs(images)
+    assert all(item.pixels.shape[:2] != (item.grid[1] * 14, item.grid[2] * 14) for item in deferred)
+    loaded.codec.resize_on_device = False
+    host = loaded.codec._image_inputs(images)
+    forward = loaded.adapter.vision_forward(loaded)
+    for ours, want in zip(forward(deferred), forward(host), strict=True):
+        assert torch.equal(ours, want)
+    monkeypatch.setattr(vision_fused, "platform_problem", lambda loaded: None)  # as on a GPU with triton
+    part = load_vision_part(path, "cpu", "float32")
+    encode, label = vision_stage(part, fused=True)
+    assert label.startswith("fused")
+    for ours, want in zip(encode(deferred), encode(host), strict=True):
+        assert torch.equal(ours, want)
+
+
+def test_the_choice_reaches_preprocess_worker_processes(codec_7b):
+    """--preprocess-workers processes get a pickled copy of the codec: the start-up choice goes with it."""
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(deferring_codec(codec_7b.tokenizer)))
+    assert copy.resize_on_device is True
+    (item,) = copy._image_inputs([noise(333, 517, 2)])
+    assert item.pixels.shape == (517, 333, 3)

@@ -117,9 +117,11 @@ class EncodeService:
             hold_to_plan(self.plan, self.part.device)
 
     def check_recipe(self, images: list[tuple[dict, ImageInput]]) -> None:
-        """Resized images are rescaled and normalised here, by the recipe of this worker's own
-        reading of the model directory: refused unless the pixels were resized under that same
-        recipe (the contract's fingerprint, which a --processor-override changes)."""
+        """Qwen-VL's uint8 images (resized by the API process, or at their decoded size for the
+        vision stage to resize to their grid, models.qwen_pixels) are resized, rescaled and
+        normalised here by the recipe of this worker's own reading of the model directory: refused
+        unless the pixels were sent under that same recipe (the contract's fingerprint, which a
+        --processor-override changes)."""
         from fovea.loading.contract import fingerprint, recipe_of
         from fovea.models.qwen_pixels import is_resized_image
 

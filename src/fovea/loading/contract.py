@@ -242,8 +242,9 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
             ", ".join(f"{k}={in_use[k]}" for k in differs),
             "serve with the processor from the model directory, or pass the change explicitly with "
             "--processor-override (and --force-processor-override for normalisation)"))
-    # The preprocessing as it is done (Qwen-VL: resized in the API process, rescaled, normalised and
-    # patched in the vision stage) against the image processor's own output, bit for bit.
+    # The preprocessing as it is done (Qwen-VL: resized in the API process or, on CUDA, in the vision
+    # stage, rescaled, normalised and patched in the vision stage) against the image processor's own
+    # output, bit for bit.
     try:
         problem = adapter.preprocessing_problem(loaded, [probe_image(*size, seed=i)
                                                          for i, size in enumerate(PROBE_SIZES)])
@@ -252,7 +253,7 @@ def check_contract(loaded: LoadedModel, *, override: dict[str, Any] | None = Non
     if problem:
         violations.append(Violation(
             "preprocessing path", "the image processor's own pixel_values and grids for the probe images, bit for bit",
-            problem, "fovea's split of the processor (resize on the host, normalisation on the device) disagrees "
+            problem, "fovea's split of the processor (resize on the host or the device, normalisation on the device) disagrees "
             "with this processor: report it with the processor's class and transformers' version"))
     forced = bool(set(changed) & adapter.normalisation_fields)
     if changed:

@@ -259,6 +259,16 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
         quantization=quantization,
         load_format=load_format,
     )
+    if hasattr(loaded.codec, "resize_on_device"):  # Qwen-VL: the image resize on the GPU (models.qwen_pixels)
+        loaded.codec.resize_on_device = torch_device.type == "cuda"
+        if loaded.codec.resize_on_device:
+            from fovea.models.pil_resize import matches_pillow
+
+            if not matches_pillow():  # run once now (~30 ms), not on the first request
+                import PIL
+
+                log.warning("images are resized in the API process: fovea's device resize does not match "
+                            "Pillow %s's bicubic resize (fovea.models.pil_resize)", PIL.__version__)
     if not weights:
         return loaded
     log.info(

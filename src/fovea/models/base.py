@@ -38,8 +38,9 @@ class PlaceholderMismatch(FoveaError):
 class ImageInput:
     """One preprocessed image as the vision stage takes it, on the host."""
 
-    # LLaVA: [3, H, W] in the model dtype; Qwen-VL images: [H, W, 3] uint8, resized (the vision stage
-    # makes the processor's patches of it, models.qwen_pixels); Qwen-VL videos (and images where the
+    # LLaVA: [3, H, W] in the model dtype; Qwen-VL images: [H, W, 3] uint8, resized to the grid's
+    # size, or at their decoded size where the vision stage resizes them (on CUDA); the vision stage
+    # makes the processor's patches of it, models.qwen_pixels; Qwen-VL videos (and images where the
     # processor is not PIL-based): [patches, C * T * P * P] in the model dtype.
     pixels: torch.Tensor
     num_tokens: int  # image-token positions it fills in the prompt

@@ -59,6 +59,7 @@ from fovea.models.base import (
 )
 from fovea.models.qwen_pixels import (
     PatchRecipe,
+    defers_resize,
     host_resize_supported,
     resize_image,
     size_rule,
@@ -264,6 +265,11 @@ def mrope_positions(input_ids: list[int], image_token_id: int, grids: list[tuple
 
 
 class QwenCodec(PromptCodec):
+    # Whether images go to the vision stage at their decoded size, for it to resize them on the
+    # device (qwen_pixels): set at start-up where the model runs on CUDA (fovea.loading.loader),
+    # and used only where the processor's filter is BICUBIC and pil_resize matches this Pillow.
+    resize_on_device = False
+
     def __init__(self, processor: QwenProcessor, image_token: str, image_token_id: int, dtype: torch.dtype) -> None:
         super().__init__(processor, image_token, image_token_id, dtype)
         self.merge = int(getattr(processor.image_processor, "merge_size", 2))
@@ -326,11 +332,14 @@ class QwenCodec(PromptCodec):
     def _resized(self, images: list[Image.Image], max_pixels: int | None = None) -> list[ImageInput]:
         """Each image resized as the processor resizes it (its ``smart_resize`` within its bounds,
         its ``resample`` filter): [H, W, 3] uint8 pixels, which the vision stage patches on the
-        device (``qwen_pixels``); the grid is the processor's."""
+        device (``qwen_pixels``); the grid is the processor's. With ``resize_on_device`` the pixels
+        are the decoded RGB image at its own size (unless it is much larger than its target), which
+        the vision stage resizes to the grid's size first; the key covers its pixels and grid."""
         ip = self.image_processor
         low, high = self._bounds(max_pixels)
         rule, factor, patch = size_rule(ip, smart_resize), self._factor(), int(ip.patch_size)
         convert = bool(getattr(ip, "do_convert_rgb", True))
+        defer = self.resize_on_device and defers_resize(ip.resample)
         out = []
         for image in images:
             try:
@@ -340,7 +349,7 @@ class QwenCodec(PromptCodec):
                     raise
                 image = self._upsized([image])[0]
                 height, width = rule(image.height, image.width, factor=factor, min_pixels=low, max_pixels=high)
-            pixels = resize_image(image, (height, width), ip.resample, convert)
+            pixels = resize_image(image, (height, width), ip.resample, convert, defer)
             grid = (1, height // patch, width // patch)
             out.append(ImageInput(pixels, grid[1] * grid[2] // (self.merge * self.merge), pixel_hash(pixels, grid),
                                   grid))
@@ -517,7 +526,8 @@ class Qwen2_5_VLAdapter(ModelAdapter):
         grids = [tuple(int(v) for v in g) for g in theirs["image_grid_thw"].tolist()]
         if [item.grid for item in items] != grids:
             return f"grids {[item.grid for item in items]}, the processor's {grids}"
-        ours = vision_pixels(items, lambda: self.patch_recipe(loaded), torch.device("cpu"), torch.float32)
+        # On the model's device, as the vision stage runs (where it resizes too, on CUDA: pil_resize's kernels).
+        ours = vision_pixels(items, lambda: self.patch_recipe(loaded), loaded.device, torch.float32).cpu()
         want = theirs["pixel_values"].to(torch.float32)
         if ours.shape != want.shape or not torch.equal(ours, want):
             worst = (ours - want).abs().max().item() if ours.shape == want.shape else float("nan")

@@ -211,8 +211,8 @@ def load_and_check(settings: ServerSettings, loaded: LoadedModel | None) -> tupl
 
 
 def sends_resized_images(loaded: LoadedModel) -> bool:
-    """Whether the codec sends resized uint8 images that the vision stage patches (qwen_pixels),
-    rather than pixels already normalised in the API process."""
+    """Whether the codec sends uint8 images that the vision stage patches (qwen_pixels), resized
+    in the API process or by the vision stage, rather than pixels already normalised there."""
     from fovea.models.qwen_pixels import host_resize_supported
 
     return hasattr(loaded.adapter, "patch_recipe") and host_resize_supported(loaded.codec.image_processor)
