@@ -144,3 +144,16 @@ def test_a_pass_in_slices_is_the_same(monkeypatch):
         monkeypatch.setattr(module, "CHUNK_ELEMENTS", chunk)
         for w0, h0, w1, h1 in [(37, 23, 29, 41), (40, 90, 14, 84), (64, 48, 56, 56)]:
             _check(_image(rng, h0, w0), h1, w1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the resize on a CUDA GPU")
+@pytest.mark.parametrize("source,target", [((720, 1280), (728, 1288)), ((2160, 3840), (728, 1288)),
+                                           ((1080, 1920), (1092, 1932)), ((1280, 720), (1288, 728)),
+                                           ((301, 3), (224, 224)), ((517, 333), (504, 336))])
+def test_cuda_equals_pillow(source, target):
+    """The same integers on the GPU: Qwen's 720p, 4K-down and portrait sizes, both pass orders."""
+    rng = np.random.default_rng(sum(source) + sum(target))
+    img = _image(rng, *source)
+    got = pil_resize(torch.from_numpy(img).cuda(), target)
+    assert got.is_cuda
+    np.testing.assert_array_equal(got.cpu().numpy(), _pillow(img, *target))
