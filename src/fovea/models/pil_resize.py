@@ -16,7 +16,7 @@ The order of the passes is Pillow's own choice, and it changes the result (the i
 is rounded to uint8): Pillow before 13 always runs the horizontal pass first; Pillow 13
 (python-pillow/Pillow#9549, "if height is scaled down significantly more than width, resize
 vertically first") runs the vertical pass first when the height shrinks by more than twice as many
-pixels as the width (``_vertical_first``). A Pillow with another rule would differ, so callers run
+pixels as the width (``_vertical_first`` applies the installed Pillow's rule). A Pillow with another rule would differ, so callers run
 ``matches_pillow()`` once and fall back to Pillow itself when it is False.
 """
 
@@ -111,10 +111,20 @@ def _pass(image: torch.Tensor, out_size: int, axis: int) -> torch.Tensor:
     return out
 
 
+@functools.cache
+def _pillow_major() -> int:
+    import PIL
+
+    return int(PIL.__version__.split(".")[0])
+
+
 def _vertical_first(in_size: tuple[int, int], out_size: tuple[int, int]) -> bool:
-    """Whether Pillow (13) runs the vertical pass first for (height, width) ``in_size`` ->
-    ``out_size`` when both axes change: when the height shrinks, by more than twice as many
-    pixels as the width does (found empirically against Pillow 13.0.0; see ``matches_pillow``)."""
+    """Whether the installed Pillow runs the vertical pass first for (height, width) ``in_size``
+    -> ``out_size`` when both axes change. Pillow 13: when the height shrinks, by more than twice
+    as many pixels as the width does (found empirically against Pillow 13.0.0); before 13: never
+    (checked against Pillow 12.0.0). ``matches_pillow`` checks whichever rule applies."""
+    if _pillow_major() < 13:
+        return False
     (in_h, in_w), (out_h, out_w) = in_size, out_size
     return out_h < in_h and in_h - out_h > 2 * (in_w - out_w)
 
