@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fovea.models.pil_resize import _pillow_major, _vertical_first, matches_pillow, pil_resize
+from fovea.models.pil_resize import _vertical_first, matches_pillow, pil_resize, pillow_rule
 
 
 def _image(rng: np.random.Generator, height: int, width: int, channels: int = 3) -> np.ndarray:
@@ -68,7 +68,7 @@ def test_qwen_sizes_equal_pillow(source, target):
     _check(_image(rng, source[1], source[0]), target[1], target[0])
 
 
-@pytest.mark.skipif(_pillow_major() < 13, reason="Pillow 13's rule (before 13 the horizontal pass is always first)")
+@pytest.mark.skipif(pillow_rule() != "pillow13", reason="Pillow 13's rule")
 def test_both_pass_orders_are_taken_and_each_is_needed():
     """The rule picks each order somewhere, and where it picks one the other differs from Pillow:
     the order is not a detail."""
@@ -124,16 +124,27 @@ def test_self_check_passes_on_the_installed_pillow():
 
 
 def test_self_check_fails_under_another_order(monkeypatch):
-    """A Pillow that ordered the passes otherwise would make the self-check refuse the device path."""
+    """A Pillow that ordered the passes otherwise (here: the opposite of the installed one's
+    rule, wherever the order matters) would make the self-check refuse the device path."""
     import fovea.models.pil_resize as module
 
-    rule = module._vertical_first
-    monkeypatch.setattr(module, "_vertical_first", lambda source, target: not rule(source, target))
-    module.matches_pillow.cache_clear()
+    rule = module.RULES[module.pillow_rule()]
+    monkeypatch.setattr(module, "RULES", {"opposite": lambda source, target: not rule(source, target)})
+    module.pillow_rule.cache_clear()
     try:
         assert not module.matches_pillow()
     finally:
-        module.matches_pillow.cache_clear()
+        module.pillow_rule.cache_clear()
+
+
+def test_the_rule_found_is_the_installed_releases():
+    """Pillow's releases checked: up to 12.1 horizontal first, 12.2-12.3 tall strips vertical
+    first, 13 by the reductions' sizes."""
+    import PIL
+
+    major, minor = (int(v) for v in PIL.__version__.split(".")[:2])
+    expected = "pillow13" if major >= 13 else "tall-strips" if (major, minor) >= (12, 2) else "horizontal-first"
+    assert pillow_rule() == expected
 
 
 def test_a_pass_in_slices_is_the_same(monkeypatch):

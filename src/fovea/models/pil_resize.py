@@ -13,11 +13,12 @@ as Pillow computes them, the sums are int32 (or int64 where a table could overfl
 output does not depend on the device or on the order of the additions.
 
 The order of the passes is Pillow's own choice, and it changes the result (the intermediate image
-is rounded to uint8): Pillow before 13 always runs the horizontal pass first; Pillow 13
-(python-pillow/Pillow#9549, "if height is scaled down significantly more than width, resize
-vertically first") runs the vertical pass first when the height shrinks by more than twice as many
-pixels as the width (``_vertical_first`` applies the installed Pillow's rule). A Pillow with another rule would differ, so callers run
-``matches_pillow()`` once and fall back to Pillow itself when it is False.
+is rounded to uint8). It differs between releases (``RULES``): up to 12.1 the horizontal pass is
+always first; 12.2 and 12.3 run the vertical pass first for a shrinking image more than 100 times
+taller than wide; 13.0 (python-pillow/Pillow#9549, "if height is scaled down significantly more
+than width, resize vertically first") when the height shrinks by more than twice as many pixels
+as the width. ``pillow_rule`` finds the installed Pillow's rule once, by comparing; callers use the
+device resize only where one matched (``matches_pillow``) and resize with Pillow otherwise.
 """
 
 from __future__ import annotations
@@ -111,22 +112,35 @@ def _pass(image: torch.Tensor, out_size: int, axis: int) -> torch.Tensor:
     return out
 
 
-@functools.cache
-def _pillow_major() -> int:
-    import PIL
-
-    return int(PIL.__version__.split(".")[0])
-
-
-def _vertical_first(in_size: tuple[int, int], out_size: tuple[int, int]) -> bool:
-    """Whether the installed Pillow runs the vertical pass first for (height, width) ``in_size``
-    -> ``out_size`` when both axes change. Pillow 13: when the height shrinks, by more than twice
-    as many pixels as the width does (found empirically against Pillow 13.0.0); before 13: never
-    (checked against Pillow 12.0.0). ``matches_pillow`` checks whichever rule applies."""
-    if _pillow_major() < 13:
-        return False
-    (in_h, in_w), (out_h, out_w) = in_size, out_size
+def _rule_pillow13(source: tuple[int, int], target: tuple[int, int]) -> bool:
+    """Pillow 13.0: vertical first when the height shrinks by more than twice as many pixels as
+    the width (python-pillow/Pillow#9549; fitted with 0 misses on 1,455 cases where the order matters)."""
+    (in_h, in_w), (out_h, out_w) = source, target
     return out_h < in_h and in_h - out_h > 2 * (in_w - out_w)
+
+
+def _rule_tall_strips(source: tuple[int, int], target: tuple[int, int]) -> bool:
+    """Pillow 12.2-12.3: vertical first when the height shrinks and is more than 100 times the width."""
+    (in_h, in_w), (out_h, _) = source, target
+    return out_h < in_h and in_h > 100 * in_w
+
+
+def _rule_horizontal(source: tuple[int, int], target: tuple[int, int]) -> bool:
+    """Pillow up to 12.1 (and PIL's Resample.c of old): the horizontal pass always first."""
+    return False
+
+
+# The pass-order rules of the Pillow releases checked (against 12.0, 12.1, 12.2, 12.3 and 13.0 on
+# 368 size pairs where the order matters: each release matches exactly one rule). The installed
+# Pillow's is found by ``matches_pillow``, not guessed from its version.
+RULES = {"pillow13": _rule_pillow13, "tall-strips": _rule_tall_strips, "horizontal-first": _rule_horizontal}
+
+
+def _vertical_first(source: tuple[int, int], target: tuple[int, int]) -> bool:
+    """Whether the installed Pillow runs the vertical pass first for (height, width) ``source`` ->
+    ``target`` when both axes change: its rule as ``matches_pillow`` found it (Pillow 13's if
+    none matched; the device path is not used then)."""
+    return RULES.get(pillow_rule() or "pillow13", _rule_pillow13)(source, target)
 
 
 def pil_resize(image: torch.Tensor, size: tuple[int, int], vertical_first: bool | None = None) -> torch.Tensor:
@@ -156,29 +170,40 @@ def pil_resize(image: torch.Tensor, size: tuple[int, int], vertical_first: bool 
     return out.clone() if out is image else out
 
 
-# (source width, height) -> (target width, height): both orders (height reduced more than width,
-# and not), one axis unchanged, upscales, a 1-px side, a tall strip, Qwen-like targets
+# (source width, height) -> (target width, height): both orders under each rule (a tall strip,
+# heights reduced more than twice the width's reduction, and neither), one axis unchanged,
+# upscales, a 1-px side, Qwen-like targets
 SELF_CHECK_CASES = (((64, 48), (56, 56)), ((61, 47), (28, 84)), ((90, 40), (84, 14)), ((40, 90), (14, 84)),
                     ((33, 80), (30, 20)), ((80, 33), (20, 30)), ((50, 50), (50, 23)), ((50, 50), (77, 50)),
-                    ((1, 9), (3, 5)), ((3, 101), (2, 7)), ((130, 70), (140, 84)), ((97, 130), (56, 28)))
+                    ((1, 9), (3, 5)), ((3, 101), (2, 7)), ((130, 70), (140, 84)), ((97, 130), (56, 28)),
+                    ((3, 301), (5, 56)), ((3, 300), (5, 56)), ((60, 100), (40, 59)))
 
 
 @functools.lru_cache(maxsize=1)
-def matches_pillow() -> bool:
-    """Whether ``pil_resize`` equals the installed Pillow's bicubic resize on a few pseudo-random
-    RGB images covering both pass orders (CPU, a few ms): the device resize is used only when it
-    does, so a Pillow with another rule falls back to resizing with Pillow."""
+def pillow_rule() -> str | None:
+    """The name of the rule in ``RULES`` under which ``pil_resize`` equals the installed Pillow's
+    bicubic resize on a few pseudo-random RGB images (CPU, a few tens of ms; run once), or None
+    where none does."""
     from PIL import Image
 
     rng = np.random.default_rng(20261203)
-    try:
-        for (w0, h0), (w1, h1) in SELF_CHECK_CASES:
-            src = rng.integers(0, 256, (h0, w0, 3), dtype=np.uint8)
-            src[: h0 // 2] = src[: h0 // 2] // 64 * 85  # flat areas and hard edges: overshoot and clipping
-            want = np.asarray(Image.fromarray(src).resize((w1, h1), Image.Resampling.BICUBIC))
-            got = pil_resize(torch.from_numpy(src), (h1, w1)).numpy()
-            if not np.array_equal(got, want):
-                return False
-    except Exception:  # noqa: BLE001 - any failure means: do not use it
-        return False
-    return True
+    cases = []
+    for (w0, h0), (w1, h1) in SELF_CHECK_CASES:
+        src = rng.integers(0, 256, (h0, w0, 3), dtype=np.uint8)
+        src[: h0 // 2] = src[: h0 // 2] // 64 * 85  # flat areas and hard edges: overshoot and clipping
+        cases.append((src, (h1, w1), np.asarray(Image.fromarray(src).resize((w1, h1), Image.Resampling.BICUBIC))))
+    for name, rule in RULES.items():
+        try:
+            if all(np.array_equal(pil_resize(torch.from_numpy(src), size, vertical_first=bool(
+                    rule(src.shape[:2], size))).numpy(), want) for src, size, want in cases):
+                return name
+        except Exception:  # noqa: BLE001 - any failure means: do not use it
+            return None
+    return None
+
+
+def matches_pillow() -> bool:
+    """Whether ``pil_resize`` equals the installed Pillow's bicubic resize under one of the known
+    pass-order rules (``pillow_rule``): the device resize is used only when it does, so a Pillow
+    with another rule falls back to resizing with Pillow."""
+    return pillow_rule() is not None
