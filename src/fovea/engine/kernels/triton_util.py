@@ -90,16 +90,7 @@ def _graph_time(launch: Callable[[], object]) -> float:
         return graph
 
     def timed(graph: torch.cuda.CUDAGraph) -> float:
-        graph.replay()  # warm
-        times = []
-        for _ in range(GRAPH_REPLAYS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return 1e3 * time_cuda(graph.replay, reps=GRAPH_REPLAYS, warmup=1)
 
     both, alone = captured(True), captured(False)
     try:
