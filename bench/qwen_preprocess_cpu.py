@@ -9,6 +9,8 @@ Per photo-like JPEG (bench/serve_load.py's), median of ``--reps`` runs after two
   did it (``QwenCodec._preprocess`` and ``_sliced``);
 - after: decode + the processor's resize alone (``QwenCodec._resized``: uint8 [H, W, 3] and its
   hash); the rest runs in the engine core, on the device;
+- on a CUDA server (``QwenCodec.resize_on_device``): decode + hash alone, the image sent at its
+  decoded size for the vision stage to resize (``fovea.models.pil_resize``) on the GPU;
 - for reference, that device step here on the CPU (``PatchRecipe.patches``), which a GPU does
   in microseconds.
 
@@ -82,12 +84,22 @@ def main() -> None:
     def after():
         return codec._resized([decode()])[0]
 
-    old, new = before(), after()
+    def deferred():
+        codec.resize_on_device = True
+        try:
+            return codec._resized([decode()])[0]
+        finally:
+            codec.resize_on_device = False
+
+    old, new, unresized = before(), after(), deferred()
     recipe = PatchRecipe.of(codec.image_processor)
     assert torch.equal(recipe.patches(new.pixels, dtype), old.pixels), "the two paths disagree"
+    assert unresized.pixels.shape[:2] == (height, width), "the CUDA server's path resized on the host"
+    assert torch.equal(recipe.patches(unresized.pixels, dtype, unresized.grid), old.pixels), "the deferred resize disagrees"
     decode_ms = median_ms(decode, args.reps)
     before_ms = median_ms(before, args.reps)
     after_ms = median_ms(after, args.reps)
+    deferred_ms = median_ms(deferred, args.reps)
     device_ms = median_ms(lambda: recipe.patches(new.pixels, dtype), args.reps)
     mib = 2 ** 20
     print(f"{width}x{height} JPEG ({len(data) / 1024:.0f} KiB) -> grid {new.grid}, {old.pixels.shape[0]} patches; "
@@ -97,6 +109,8 @@ def main() -> None:
           f"MiB ({str(old.pixels.dtype).removeprefix('torch.')} patches)")
     print(f"  after:  decode + resize + hash                 {after_ms:7.1f} ms   sends {new.pixels.nbytes / mib:5.1f} "
           "MiB (uint8 image)")
+    print(f"  on a CUDA server: decode + hash                {deferred_ms:7.1f} ms   sends "
+          f"{unresized.pixels.nbytes / mib:5.1f} MiB (uint8 image at its decoded size)")
     print(f"  the moved step on this CPU (the GPU's job now) {device_ms:7.1f} ms")
 
 
