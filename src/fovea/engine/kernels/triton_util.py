@@ -57,8 +57,8 @@ def launch_time(launch: Callable[[], object]) -> float:
     """Milliseconds of GPU time per ``launch()``, as a decode step sees it: each launch follows a
     write of twice the L2's size (its weights come from HBM, as they do when a step streams every
     layer's), ``GRAPH_REPS`` of them captured in one CUDA graph (the host's launch cost, tens of
-    microseconds per Triton launch, would otherwise be most of what is timed), less the same
-    graph without the launches. Timing each launch by itself from the host (triton's do_bench)
+    microseconds per Triton launch, would otherwise be most of what is timed), less the writes
+    alone (a graph of them, timed once per device). Timing each launch by itself from the host (triton's do_bench)
     chose nearly at random among kernels of 10-50 us (bench/quant_matmul.py --sweep, 2026-12-03:
     2x off on some 7B shapes). The autotuners' timer; where no CUDA device is available, do_bench.
     A launch that cannot run raises from its first, uncaptured call."""
