@@ -262,13 +262,18 @@ def load_model(path: str | Path | None = None, device: str = "auto", dtype: str 
     if hasattr(loaded.codec, "resize_on_device"):  # Qwen-VL: the image resize on the GPU (models.qwen_pixels)
         loaded.codec.resize_on_device = torch_device.type == "cuda"
         if loaded.codec.resize_on_device:
-            from fovea.models.pil_resize import matches_pillow
+            import PIL
 
-            if not matches_pillow():  # run once now (~30 ms), not on the first request
-                import PIL
+            from fovea.models.pil_resize import pillow_rule
 
+            rule = pillow_rule()  # found now (~30 ms), not on the first request
+            # said once, by the engine's load (an API process reads the codec without weights)
+            if weights and rule is None:
                 log.warning("images are resized in the API process: fovea's device resize does not match "
                             "Pillow %s's bicubic resize (fovea.models.pil_resize)", PIL.__version__)
+            elif weights:
+                log.info("Qwen-VL images are resized on %s, bit for bit as Pillow %s does it (pass order: %s)",
+                         torch_device, PIL.__version__, rule)
     if not weights:
         return loaded
     log.info(
