@@ -132,7 +132,7 @@ def _rule_horizontal(source: tuple[int, int], target: tuple[int, int]) -> bool:
 
 # The pass-order rules of the Pillow releases checked (against 12.0, 12.1, 12.2, 12.3 and 13.0 on
 # 368 size pairs where the order matters: each release matches exactly one rule). The installed
-# Pillow's is found by ``matches_pillow``, not guessed from its version.
+# Pillow's is found by ``pillow_rule``, not guessed from its version.
 RULES = {"pillow13": _rule_pillow13, "tall-strips": _rule_tall_strips, "horizontal-first": _rule_horizontal}
 
 
