@@ -50,8 +50,9 @@ def time_cuda(fn: Callable[[], object], reps: int = 10, warmup: int = 3) -> floa
 
 
 GRAPH_REPS = 20  # launches per timed graph
-_HOST_TIMING: list[str] = []  # the error of a failed timing capture: timed from the host after one
 GRAPH_REPLAYS = 5  # timed replays per graph (median)
+_HOST_TIMING: list[str] = []  # the error of a failed timing capture: timed from the host after one
+_FLUSH_MS: dict[int, float] = {}  # device -> ms of one graph of the L2-sized writes alone
 
 
 def launch_time(launch: Callable[[], object]) -> float:
@@ -59,9 +60,9 @@ def launch_time(launch: Callable[[], object]) -> float:
     write of twice the L2's size (its weights come from HBM, as they do when a step streams every
     layer's), ``GRAPH_REPS`` of them captured in one CUDA graph (the host's launch cost, tens of
     microseconds per Triton launch, would otherwise be most of what is timed), less the writes
-    alone (a graph of them, timed once per device). Timing each launch by itself from the host (triton's do_bench)
-    chose nearly at random among kernels of 10-50 us (bench/quant_matmul.py --sweep, 2026-12-03:
-    2x off on some 7B shapes). The autotuners' timer; where no CUDA device is available, do_bench.
+    alone (a graph of them, timed once per device). Timing each launch by itself from the host
+    (triton's do_bench) chose nearly at random among kernels of 10-50 us (bench/quant_matmul.py
+    --sweep, 2026-12-03: 2x off on some 7B shapes). The autotuners' timer; where no CUDA device is available, do_bench.
     A launch that cannot run raises from its first, uncaptured call."""
     launch()
     if torch.cuda.is_available() and not _HOST_TIMING:
@@ -91,9 +92,6 @@ def _graph_time(launch: Callable[[], object]) -> float:
         _FLUSH_MS[device] = _replay_ms(_captured(stream, flush.zero_))
         torch.cuda.current_stream().wait_stream(stream)
     return max(timed - _FLUSH_MS[device], 0.0) / GRAPH_REPS
-
-
-_FLUSH_MS: dict[int, float] = {}
 
 
 def _captured(stream: torch.cuda.Stream, body: Callable[[], object]) -> torch.cuda.CUDAGraph:
