@@ -8,7 +8,8 @@ dynamic per-token activation quantiser included. The int4 rows, old against new:
 - ``int4_fused``: the fused kernel choosing among all (the magic-number and per-nibble unpacking too);
 - ``int4_dq``: the weight dequantised into one scratch buffer (``int4_dequantize``), then cuBLAS;
 - ``int4``: ``int4_linear`` as shipped: fused below ``INT4_DEQUANT_MIN_ROWS`` rows, int4_dq from it;
-- ``int4_dqk``: the dequantiser alone (its floor: 0.5 byte read and 2 written per weight).
+- ``int4_dqk``: the dequantiser alone (its floor: 0.5 byte read and 2 written per weight);
+- ``fp8_quant``: the per-token activation quantiser alone (its time is inside every fp8 row).
 
     python3 bench/quant_matmul.py [--model 7b|72b|all] [--rows 1,8,64,128,256,1275,2048] [--reps 20]
                                   [--impls ...] [--no-check] [--sweep]
@@ -32,7 +33,7 @@ step's linear layers (qkv, o, gate_up, down, times the layers), the number the d
 about (the LM head and attention are not in it); then the int4 table: old against shipped, the
 speed-up, the fused kernel against the dequantising path (the threshold's check) and the floor.
 ``--sweep`` also times every candidate launch configuration of the Triton kernels (the first use of
-a shape picks the fastest by itself).
+a shape picks the fastest by itself), and for FP8 at few rows a wider grid (``fp8_grid``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ STREAMED_BYTES = 384 * 1024 * 1024  # weight bytes per graph: several times the 
 GROUP = 128
 BLOCK = (128, 128)
 IMPLS = ("bf16", "fp8_scaled_mm", "fp8_triton", "fp8_block", "int4_old", "int4_fused", "int4_dq", "int4",
-         "int4_dqk")
+         "int4_dqk", "fp8_quant")
 INT4 = tuple(i for i in IMPLS if i.startswith("int4"))
 
 MODELS = {  # name -> (layers, {linear: (N, K)})
@@ -113,6 +114,8 @@ def weight_bytes(impl: str, n: int, k: int) -> int:
         return n * k + 4 * n
     if impl == "fp8_block":
         return n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
+    if impl == "fp8_quant":  # the activation quantiser alone: no weight (its time is in the fp8 rows)
+        return 0
     if impl == "int4_dqk":  # the dequantiser: reads the int4 weight, writes it in bf16
         return n * k // 2 + 2 * 2 * n * (k // GROUP) + 2 * n * k
     return n * k // 2 + 2 * 2 * n * (k // GROUP)  # codes, bf16 scales and zeros
@@ -133,6 +136,8 @@ def scratch(n: int, k: int) -> torch.Tensor:
 
 
 def call(impl: str, x: torch.Tensor, wt: Weights, config=None):
+    if impl == "fp8_quant":
+        return quantize_per_token(x)
     if impl == "bf16":
         return F.linear(x, wt.w)
     if impl == "fp8_scaled_mm":
@@ -199,6 +204,8 @@ def torch_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
 
 def check(impl: str, x: torch.Tensor, wt: Weights, failures: list[str], label: str) -> None:
     n, k = wt.w.shape
+    if impl == "fp8_quant":  # checked bit for bit with every fp8 row's quantiser
+        return
     if impl == "int4_dqk":  # (q - z) * s in float32, rounded once to bf16: bit for bit
         got = call(impl, x, wt)
         s = wt.scales.float().t().repeat_interleave(GROUP, 1)
@@ -268,11 +275,23 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def fp8_grid(rows: int) -> list[qm.GemmConfig]:
+    """FP8 launch configurations beyond the shipped candidates, for a few rows: tile widths, K depths,
+    pipeline depths and fixed splits over K, to find what the candidates should be."""
+    if rows > qm.SMALL_M:
+        return []
+    return [qm.GemmConfig(16, bn, bk, split, 4, stages)
+            for bn, bk, stages in ((64, 128, 4), (64, 128, 6), (64, 256, 4), (128, 128, 4), (32, 128, 4))
+            for split in (0, 4, 8, 16)]
+
+
 def sweep(impl: str, x: torch.Tensor, wts: list[Weights], reps: int) -> None:
     rows = x.shape[0]
     cands = qm.int4_candidates(rows, GROUP) if impl.startswith("int4") else qm.fp8_candidates(rows)
     extra = [qm.GemmConfig(c.block_m, c.block_n, c.block_k, s, c.num_warps, c.num_stages)
              for c in cands[:1] for s in (1, 2, 4, 8) if c.split_k == 0]
+    if impl == "fp8_triton":
+        extra = [c for c in fp8_grid(rows) if c not in cands] or extra
     for c in cands + extra:
         t = graph_time(lambda i, c=c: call("int4_fused" if impl.startswith("int4") else impl, x, wts[i], c),
                        len(wts), reps)
@@ -343,13 +362,13 @@ def main(argv=None) -> int:
                             if impl == "int4_fused" and rows == rows_list[0]:
                                 check_symmetric_int4(x, base, failures, label)
                         wb, flops = weight_bytes(impl, n, k), 2.0 * rows * n * k
-                        used = wts[:max(1, math.ceil(STREAMED_BYTES / wb))]
+                        used = wts[:max(1, math.ceil(STREAMED_BYTES / max(wb, 1)))]
                         t = graph_time(lambda i, impl=impl, used=used, x=x: call(impl, x, used[i]), len(used), args.reps)
                     except Exception as e:  # noqa: BLE001 (reported; the script fails at the end)
                         failures.append(f"{label} {impl}: raised {type(e).__name__}: {e}")
                         print(f"    {impl:<14} raised {type(e).__name__}: {str(e)[:200]}")
                         continue
-                    flops = 0.0 if impl == "int4_dqk" else flops
+                    flops = 0.0 if impl in ("int4_dqk", "fp8_quant") else flops
                     floor = max(wb / (COPY_TBS * 1e12), flops / (flop_rate(impl) * 1e12))
                     totals[(model, rows, impl)] = totals.get((model, rows, impl), 0.0) + layers * t
                     floors[(model, rows, impl)] = floors.get((model, rows, impl), 0.0) + layers * floor

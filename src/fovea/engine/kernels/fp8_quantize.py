@@ -43,10 +43,25 @@ def can_run_triton(t: torch.Tensor) -> bool:
     return interpreting() and importlib.util.find_spec("triton") is not None
 
 
+def rounding_helpers() -> tuple:
+    """``fp8_rounding``'s jit helpers (quantize_e4m3, token_scale), imported on first use (that module
+    imports triton). A kernel module binds them as its own globals before defining its kernels:
+    triton's interpreter resolves a kernel's names in its module's globals, not in the builder's locals."""
+    from fovea.engine.kernels import fp8_rounding
+
+    return fp8_rounding.quantize_e4m3, fp8_rounding.token_scale
+
+
+quantize_e4m3 = token_scale = None  # bound by _kernels() (rounding_helpers)
+
+
 @functools.cache
 def _kernels():
     import triton
     import triton.language as tl
+
+    global quantize_e4m3, token_scale
+    quantize_e4m3, token_scale = rounding_helpers()
 
     @triton.jit
     def quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s, min_scale,
@@ -61,20 +76,8 @@ def _kernels():
             cols = first + offs
             ok = (offs < GROUP) & (cols < K)
             x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
-            amax = tl.max(tl.abs(x), axis=0)
-            scale = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
-            y = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-            # round to e4m3 (see the module's docstring): normals keep 3 of float32's 23 mantissa bits,
-            # ties to even (the integer add carries into the exponent as it should); subnormals
-            # (|y| < 2^-6) are multiples of 2^-9, rounded by adding 1.5 * 2^14 (float32's spacing
-            # there is 2^-9) and taking it off again; the sign (of a zero too) is kept.
-            a = tl.abs(y)
-            bits = a.to(tl.int32, bitcast=True)
-            normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
-            sub = ((a + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
-            sign = (y.to(tl.int32, bitcast=True) >> 31) << 31
-            y = (tl.where(a < 0.015625, sub, normal) | sign).to(tl.float32, bitcast=True)
-            tl.store(q_row + cols, y.to(Q.dtype.element_ty), mask=ok)
+            scale = token_scale(tl.max(tl.abs(x), axis=0), min_scale)
+            tl.store(q_row + cols, quantize_e4m3(x, scale).to(Q.dtype.element_ty), mask=ok)
         else:
             amax_v = tl.zeros([BLOCK], tl.float32)
             for start in range(0, GROUP, BLOCK):
@@ -82,21 +85,12 @@ def _kernels():
                 ok = (start + offs < GROUP) & (cols < K)
                 x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
                 amax_v = tl.maximum(amax_v, tl.abs(x))
-            amax = tl.max(amax_v, axis=0)
-            scale = tl.maximum(tl.math.div_rn(amax, 448.0), min_scale)
+            scale = token_scale(tl.max(amax_v, axis=0), min_scale)
             for start in range(0, GROUP, BLOCK):
                 cols = first + start + offs
                 ok = (start + offs < GROUP) & (cols < K)
                 x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
-                y = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)
-                # round to e4m3, as above
-                a = tl.abs(y)
-                bits = a.to(tl.int32, bitcast=True)
-                normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
-                sub = ((a + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
-                sign = (y.to(tl.int32, bitcast=True) >> 31) << 31
-                y = (tl.where(a < 0.015625, sub, normal) | sign).to(tl.float32, bitcast=True)
-                tl.store(q_row + cols, y.to(Q.dtype.element_ty), mask=ok)
+                tl.store(q_row + cols, quantize_e4m3(x, scale).to(Q.dtype.element_ty), mask=ok)
         tl.store(S + row * stride_s + g, scale)
 
     return quant_kernel

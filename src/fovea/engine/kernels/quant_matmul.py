@@ -367,6 +367,10 @@ def fp8_candidates(rows: int, block_k_max: int = 128) -> list[GemmConfig]:
     """The configurations timed for an FP8 product of ``rows`` rows (the first is the default)."""
     bk = min(128, block_k_max)
     if rows <= SMALL_M:
+        # Not candidates, from the H200 of 2026-12-03 (night; docs/benchmarks.md): a transposed tile
+        # (the weight's rows on the M side of Hopper's wgmma), 3% faster per 7B step, whose fp8 sums
+        # erred ~2^-14 relative inside each K tile where these kernels add in float32; and the
+        # activations quantised inside this kernel, 3x slower than the quantiser's own launch.
         return [GemmConfig(16, 64, bk, 0, 4, 4), GemmConfig(16, 128, bk, 0, 4, 4), GemmConfig(16, 32, bk, 0, 2, 5)]
     if rows <= 64:
         return [GemmConfig(64, 64, bk, 0, 4, 4), GemmConfig(32, 128, bk, 0, 4, 4), GemmConfig(64, 128, bk, 1, 4, 4)]
