@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from fovea.engine.kernels import triton_ops
+from fovea.engine.kernels import quant_matmul, triton_ops
 from fovea.engine.memory import tuning_cache
 from fovea.engine.memory.tuning_cache import TuningCache, model_fingerprint
 
@@ -20,6 +20,7 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("FOVEA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(triton_ops, "_GEMV_CONFIG", {})
     monkeypatch.setattr(triton_ops, "_GEMV_CHOICE", {})
+    monkeypatch.setattr(quant_matmul, "_CHOSEN", {})
 
 
 def test_choices_round_trip_through_the_file() -> None:
@@ -103,3 +104,59 @@ def test_a_shape_met_where_nothing_can_be_timed_keeps_no_choice(monkeypatch) -> 
     assert launched == [(*triton_ops.GEMV_CONFIGS[0], triton_ops.GEMV_STAGES)]
     assert triton_ops._GEMV_CONFIG == {}
     assert not TuningCache(KEY).save()  # nothing timed: no file
+
+
+FP8_KEY = ("fp8", 1, 4608, 3584, "torch.bfloat16")
+BLOCK_KEY = ("fp8-block", 8, 4608, 3584, "torch.bfloat16", 128, 128)
+INT4_KEY = ("int4", 256, 37888, 3584, 128, "torch.bfloat16", True)
+
+
+def test_quantized_kernel_choices_round_trip_and_a_benchmarks_own_keys_stay_out() -> None:
+    chosen = {FP8_KEY: quant_matmul.fp8_candidates(1)[2], BLOCK_KEY: quant_matmul.fp8_candidates(8)[1],
+              INT4_KEY: quant_matmul.int4_candidates(256, 128)[1]}
+    quant_matmul._CHOSEN.update(chosen)
+    quant_matmul._CHOSEN[("int4-shift", 1, 8, 8, 128, "torch.bfloat16", True)] = quant_matmul.int4_candidates(1, 128)[0]
+    triton_ops._GEMV_CHOICE[(1, 8, 8, "bfloat16")] = True
+    writer = TuningCache(KEY)
+    assert writer.save()
+    assert not writer.save()  # saved once: a second save (after the decode graphs) only writes what is new
+    quant_matmul._CHOSEN.clear()
+    triton_ops._GEMV_CHOICE.clear()
+    assert TuningCache(KEY).load() == 4
+    assert quant_matmul._CHOSEN == chosen
+
+
+@pytest.mark.parametrize("tamper, why", [
+    (lambda d: d["quant_choice"].update({json.dumps(list(FP8_KEY)): {**d["quant_choice"][json.dumps(list(FP8_KEY))],
+                                                                     "block_n": 48}}),
+     "is not one the kernel is timed in"),
+    (lambda d: d["quant_choice"].update({json.dumps(["fp4", 1, 8, 8, "torch.bfloat16"]): {"block_m": 16}}),
+     "a malformed entry"),
+    (lambda d: d["quant_choice"].update({"[1, 2": {"block_m": 16}}), "a malformed entry"),
+    (lambda d: d["quant_choice"].update({json.dumps(list(FP8_KEY)): {"block_m": 16, "tiles": 3}}),
+     "a malformed entry"),
+    (lambda d: d.update(format=1), "an unknown format"),
+])
+def test_a_bad_quantized_choice_sets_the_whole_file_aside(tamper, why, caplog) -> None:
+    quant_matmul._CHOSEN[FP8_KEY] = quant_matmul.fp8_candidates(1)[0]
+    triton_ops._GEMV_CHOICE[(2, 16, 16, "bfloat16")] = True
+    cache = TuningCache(KEY)
+    cache.save()
+    data = json.loads(cache.path.read_text())
+    tamper(data)
+    cache.path.write_text(json.dumps(data))
+    quant_matmul._CHOSEN.clear()
+    triton_ops._GEMV_CHOICE.clear()
+    with caplog.at_level("WARNING", logger="fovea.engine.paged"):
+        assert TuningCache(KEY).load() == 0
+    assert not quant_matmul._CHOSEN and not triton_ops._GEMV_CHOICE
+    assert why in caplog.text
+
+
+def test_every_key_the_kernels_make_has_its_candidates() -> None:
+    assert quant_matmul.candidates_for(FP8_KEY) == quant_matmul.fp8_candidates(1)
+    assert quant_matmul.candidates_for(BLOCK_KEY) == quant_matmul.fp8_candidates(8, 128)
+    assert quant_matmul.candidates_for(("fp8-block", 1, 8, 8, "torch.bfloat16", 128, 96))[0].block_k == 32
+    assert quant_matmul.candidates_for(INT4_KEY) == quant_matmul.int4_candidates(256, 128)
+    with pytest.raises(ValueError, match="not a quantized kernel's choice"):
+        quant_matmul.candidates_for(("int4-shift", 1, 8, 8, 128, "torch.bfloat16", True))

@@ -439,7 +439,29 @@ def _splits(rows: int, n: int, k: int, config: GemmConfig, unit: int, sms: int) 
     return -(-k // per), per
 
 
-_CHOSEN: dict[tuple, GemmConfig] = {}  # (kind, row bucket, N, K, group, dtype) -> the fastest candidate
+# Choices made on first use of a shape, by timing (start-up makes them: memory.planner); the
+# tuning cache keeps them between starts. Keys (``candidates_for`` reads them):
+#   ("fp8", row bucket, N, K, out dtype), ("fp8-block", row bucket, N, K, out dtype, bn, bk),
+#   ("int4", row bucket, N, K, group, dtype, has zeros)
+_CHOSEN: dict[tuple, GemmConfig] = {}  # -> the fastest candidate
+
+
+def candidates_for(key: tuple) -> list[GemmConfig]:
+    """The configurations timed for a choice ``key`` (``_CHOSEN``'s); ValueError for a key no
+    kernel here makes."""
+    kind, bucket = key[0], key[1]
+    if kind == "fp8" and len(key) == 5:
+        return fp8_candidates(bucket)
+    if kind == "fp8-block" and len(key) == 7:
+        return fp8_candidates(bucket, _block_k_max(key[6]))
+    if kind == "int4" and len(key) == 7:
+        return int4_candidates(bucket, key[4])
+    raise ValueError(f"not a quantized kernel's choice: {key!r}")
+
+
+def _block_k_max(block_k: int | None) -> int:
+    """The deepest K tile for a weight block of ``block_k`` columns (None: per-channel scales)."""
+    return 128 if block_k is None else min(128, _pow2_divisor(128, block_k))
 
 
 def _choose(key: tuple, candidates: list[GemmConfig], launch) -> GemmConfig:
@@ -488,10 +510,10 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: to
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     scale = scale.contiguous()
-    bk_max = 128 if block is None else min(128, _pow2_divisor(128, block[1]))
     if config is None:
-        key = ("fp8" if block is None else f"fp8-block{block}", _m_bucket(rows), n, k, str(out_dtype))
-        config = _choose(key, fp8_candidates(rows, bk_max),
+        key = ("fp8", _m_bucket(rows), n, k, str(out_dtype)) if block is None else \
+            ("fp8-block", _m_bucket(rows), n, k, str(out_dtype), int(block[0]), int(block[1]))
+        config = _choose(key, candidates_for(key),
                          lambda c: fp8_gemm(xq, xs, weight, scale, bias, out_dtype, block, c))
     if block is not None and block[1] % config.block_k:
         raise ValueError(f"block_k {config.block_k} must divide the weight block's K width {block[1]}")
@@ -631,8 +653,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
         raise ValueError("packed, scales and zeros must be contiguous along N")
     if config is None:
         key = ("int4", _m_bucket(rows), n, k, group, str(x.dtype), zeros is not None)
-        config = _choose(key, int4_candidates(rows, group), lambda c: int4_gemm(x, packed, scales, zeros, group,
-                                                                               bias, c))
+        config = _choose(key, candidates_for(key), lambda c: int4_gemm(x, packed, scales, zeros, group, bias, c))
     if group % config.block_k or config.block_k < 16 or config.block_k % 8:
         raise ValueError(f"block_k {config.block_k} must be >= 16 and divide the group {group}")
     if config.per_nibble and config.block_k < 128:

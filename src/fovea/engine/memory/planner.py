@@ -139,6 +139,7 @@ class Planner:
         self.shape = shape
         self.device = runner.device
         self.meter = CudaMeter(self.device) if self.device.type == "cuda" else None
+        self._tuning: TuningCache | None = None  # the kernel choices' file, once the choices are made
 
     # ---- the plan ---------------------------------------------------------------------
     def plan(self) -> MemoryPlan:
@@ -242,6 +243,8 @@ class Planner:
             probe = KVCache(self.shape, 1, device)
             with STARTUP.phase("decode graphs (sizing)"):
                 graphs, held, _ = measure(meter, lambda: self._capture(probe))
+            if self._tuning is not None:  # the quantized kernels' choices for the larger batches, made here
+                self._tuning.save()
             lines.append(PlanLine("decode graphs", held, f"measured: {len(graphs.sizes)} CUDA graphs of decode "
                                   f"steps (batch sizes up to {graphs.sizes[-1]}) and their inputs"))
             del graphs, probe
@@ -280,6 +283,7 @@ class Planner:
         (the timing allocates a cache-flush buffer); sampling kernels load once."""
         cache = TuningCache.for_model(self.device, dict(self.runner.loaded.model.named_parameters())) \
             if tuning_cache.enabled() else None
+        self._tuning = cache
         cached = cache.load() if cache is not None else 0
         for rows in range(1, triton_ops.GEMV_MAX_ROWS + 1):
             self._sample(self.runner.dummy_step(scratch, tokens=rows, rows=rows))

@@ -1,10 +1,11 @@
 """Kernel choices timed at start-up, remembered between starts of the same model on the same GPU.
 
 The engine times, for every row count a decode can have and every weight shape, the Triton
-matrix-vector kernel's launch configurations and the kernel against cuBLAS (``triton_ops``).
-That is ~16 s of a 7B start-up, and the answer only changes with the GPU, the software or the
-shapes. So the choices are kept in a JSON file under ``$FOVEA_CACHE_DIR`` (default
-``~/.cache/fovea``), one file per key:
+matrix-vector kernel's launch configurations and the kernel against cuBLAS (``triton_ops``),
+and, for a quantized checkpoint, the FP8 and int4 kernels' launch configurations per row bucket
+(``quant_matmul``). That is ~16 s of a 7B start-up (8-15 s more for FP8 on the H200), and the
+answer only changes with the GPU, the software or the shapes. So the choices are kept in a JSON
+file under ``$FOVEA_CACHE_DIR`` (default ``~/.cache/fovea``), one file per key:
 
 - the key is the GPU's name and compute capability, the CUDA, torch, triton and fovea versions,
   and the model's fingerprint (the names, shapes and dtypes of its language-model weights);
@@ -20,6 +21,7 @@ turns it off.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -30,11 +32,11 @@ from pathlib import Path
 import torch
 
 from fovea import __version__
-from fovea.engine.kernels import triton_ops
+from fovea.engine.kernels import quant_matmul, triton_ops
 
 log = logging.getLogger("fovea.engine.paged")
 
-FORMAT = 1
+FORMAT = 2  # 2: the quantized kernels' choices ("quant_choice") too
 
 
 def enabled() -> bool:
@@ -74,13 +76,27 @@ def _entry_text(key: tuple) -> str:
     return ",".join(str(part) for part in key)
 
 
-def parse(data: object, key: dict[str, str]) -> tuple[dict, dict] | str:
-    """(configurations, Triton-vs-cuBLAS choices) from a file's JSON, or why it is not trusted."""
+def _quant_key(text: str) -> tuple:
+    key = json.loads(text)
+    if not isinstance(key, list) or not all(isinstance(part, (str, int, bool)) for part in key):
+        raise ValueError(f"{text!r} is not a choice key")
+    return tuple(key)
+
+
+def _quant_config(fields: object) -> quant_matmul.GemmConfig:
+    if not isinstance(fields, dict):
+        raise TypeError(f"{fields!r} is not a configuration")
+    return quant_matmul.GemmConfig(**fields)
+
+
+def parse(data: object, key: dict[str, str]) -> tuple[dict, dict, dict] | str:
+    """(configurations, Triton-vs-cuBLAS choices, quantized kernels' configurations) from a file's
+    JSON, or why it is not trusted."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         return "an unknown format"
     if data.get("key") != key:
         return "a different key (GPU, versions or model)"
-    configs, choices = {}, {}
+    configs, choices, quant = {}, {}, {}
     known = set(triton_ops.GEMV_CONFIGS)
     try:
         for text, config in data["gemv_config"].items():
@@ -92,9 +108,23 @@ def parse(data: object, key: dict[str, str]) -> tuple[dict, dict] | str:
             if not isinstance(use, bool):
                 return f"choice {use!r} is not true or false"
             choices[_entry_key(text)] = use
+        for text, fields in data["quant_choice"].items():
+            choice, config = _quant_key(text), _quant_config(fields)
+            if config not in quant_matmul.candidates_for(choice):
+                return f"configuration {config.describe()} is not one the kernel is timed in for {choice}"
+            quant[choice] = config
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         return f"a malformed entry ({type(exc).__name__}: {exc})"
-    return configs, choices
+    return configs, choices, quant
+
+
+def _is_engine_choice(key: tuple) -> bool:
+    """A choice the engine's kernels make (a benchmark's own keys stay out of the file)."""
+    try:
+        quant_matmul.candidates_for(key)
+    except (ValueError, IndexError, TypeError):
+        return False
+    return True
 
 
 class TuningCache:
@@ -122,25 +152,29 @@ class TuningCache:
         if isinstance(parsed, str):
             log.warning("kernel tuning cache %s not used: it has %s; timing the kernels again", self.path, parsed)
             return 0
-        configs, choices = parsed
+        configs, choices, quant = parsed
         triton_ops._GEMV_CONFIG.update(configs)
         triton_ops._GEMV_CHOICE.update(choices)
-        self.loaded_entries = len(configs) + len(choices)
+        quant_matmul._CHOSEN.update(quant)
+        self.loaded_entries = len(configs) + len(choices) + len(quant)
         return self.loaded_entries
 
     def save(self) -> bool:
         """Write the current choices (atomically) when they add to what was loaded."""
         configs, choices = dict(triton_ops._GEMV_CONFIG), dict(triton_ops._GEMV_CHOICE)
-        if len(configs) + len(choices) <= self.loaded_entries:
+        quant = {k: v for k, v in quant_matmul._CHOSEN.items() if _is_engine_choice(k)}
+        if len(configs) + len(choices) + len(quant) <= self.loaded_entries:
             return False
         data = {"format": FORMAT, "key": self.key,
                 "gemv_config": {_entry_text(k): list(v) for k, v in configs.items()},
-                "gemv_choice": {_entry_text(k): v for k, v in choices.items()}}
+                "gemv_choice": {_entry_text(k): v for k, v in choices.items()},
+                "quant_choice": {json.dumps(list(k)): dataclasses.asdict(v) for k, v in quant.items()}}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
                 json.dump(data, f, indent=1)
             os.replace(f.name, self.path)
+            self.loaded_entries = len(configs) + len(choices) + len(quant)  # a later save: only when more
         except OSError as exc:  # a read-only home: the next start times again, nothing else changes
             log.warning("kernel tuning cache not saved to %s: %s", self.path, exc)
             return False
