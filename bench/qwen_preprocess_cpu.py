@@ -38,6 +38,7 @@ from serve_load import photo_jpeg
 
 from fovea.loading.loader import DTYPES, load_codec
 from fovea.media import MediaConfig, decode_image_bytes
+from fovea.models.base import pixel_hash
 from fovea.models.qwen_pixels import PatchRecipe
 
 
@@ -101,6 +102,7 @@ def main() -> None:
     after_ms = median_ms(after, args.reps)
     deferred_ms = median_ms(deferred, args.reps)
     device_ms = median_ms(lambda: recipe.patches(new.pixels, dtype), args.reps)
+    hash_ms = median_ms(lambda: pixel_hash(unresized.pixels, unresized.grid), args.reps)
     mib = 2 ** 20
     print(f"{width}x{height} JPEG ({len(data) / 1024:.0f} KiB) -> grid {new.grid}, {old.pixels.shape[0]} patches; "
           f"torch threads {args.threads}; median of {args.reps}")
@@ -111,6 +113,7 @@ def main() -> None:
           "MiB (uint8 image)")
     print(f"  on a CUDA server: decode + hash                {deferred_ms:7.1f} ms   sends "
           f"{unresized.pixels.nbytes / mib:5.1f} MiB (uint8 image at its decoded size)")
+    print(f"    of which the content hash (pixel_hash)       {hash_ms:7.2f} ms")
     print(f"  the moved step on this CPU (the GPU's job now) {device_ms:7.1f} ms")
 
 
