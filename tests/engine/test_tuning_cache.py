@@ -47,6 +47,11 @@ def test_another_key_gets_another_file_and_none_of_its_choices() -> None:
     assert other.load() == 0 and not triton_ops._GEMV_CHOICE
 
 
+FP8_KEY = ("fp8", 1, 4608, 3584, "torch.bfloat16")
+BLOCK_KEY = ("fp8-block", 8, 4608, 3584, "torch.bfloat16", 128, 128)
+INT4_KEY = ("int4", 256, 37888, 3584, 128, "torch.bfloat16", True)
+
+
 @pytest.mark.parametrize("tamper, why", [
     (lambda d: d.update(key={**KEY, "triton": "9.9"}), "a different key"),
     (lambda d: d.update(format=99), "an unknown format"),
@@ -54,10 +59,20 @@ def test_another_key_gets_another_file_and_none_of_its_choices() -> None:
     (lambda d: d["gemv_choice"].update({"1,8,8,float16": "yes"}), "is not true or false"),
     (lambda d: d["gemv_choice"].update({"1,8,float16": True}), "a malformed entry"),
     (lambda d: d.pop("gemv_config"), "a malformed entry"),
+    (lambda d: d.update(format=1), "an unknown format"),  # written before the quantized choices were kept
+    (lambda d: d["quant_choice"].update({json.dumps(list(FP8_KEY)): {**d["quant_choice"][json.dumps(list(FP8_KEY))],
+                                                                     "block_n": 48}}),
+     "is not one the kernel is timed in"),
+    (lambda d: d["quant_choice"].update({json.dumps(["fp4", 1, 8, 8, "torch.bfloat16"]): {"block_m": 16}}),
+     "a malformed entry"),
+    (lambda d: d["quant_choice"].update({"[1, 2": {"block_m": 16}}), "a malformed entry"),
+    (lambda d: d["quant_choice"].update({json.dumps(list(FP8_KEY)): {"block_m": 16, "tiles": 3}}),
+     "a malformed entry"),
 ])
 def test_a_file_that_does_not_check_out_is_ignored_whole(tamper, why, caplog) -> None:
     triton_ops._GEMV_CONFIG[(2, 16, 16, "bfloat16")] = triton_ops.GEMV_CONFIGS[1]
     triton_ops._GEMV_CHOICE[(2, 16, 16, "bfloat16")] = True
+    quant_matmul._CHOSEN[FP8_KEY] = quant_matmul.fp8_candidates(1)[0]
     cache = TuningCache(KEY)
     cache.save()
     data = json.loads(cache.path.read_text())
@@ -65,9 +80,11 @@ def test_a_file_that_does_not_check_out_is_ignored_whole(tamper, why, caplog) ->
     cache.path.write_text(json.dumps(data))
     triton_ops._GEMV_CONFIG.clear()
     triton_ops._GEMV_CHOICE.clear()
+    quant_matmul._CHOSEN.clear()
     with caplog.at_level("WARNING", logger="fovea.engine.paged"):
         assert TuningCache(KEY).load() == 0
-    assert not triton_ops._GEMV_CONFIG and not triton_ops._GEMV_CHOICE  # not even the good entries
+    # not even the good entries
+    assert not triton_ops._GEMV_CONFIG and not triton_ops._GEMV_CHOICE and not quant_matmul._CHOSEN
     assert why in caplog.text
 
 
@@ -106,11 +123,6 @@ def test_a_shape_met_where_nothing_can_be_timed_keeps_no_choice(monkeypatch) -> 
     assert not TuningCache(KEY).save()  # nothing timed: no file
 
 
-FP8_KEY = ("fp8", 1, 4608, 3584, "torch.bfloat16")
-BLOCK_KEY = ("fp8-block", 8, 4608, 3584, "torch.bfloat16", 128, 128)
-INT4_KEY = ("int4", 256, 37888, 3584, 128, "torch.bfloat16", True)
-
-
 def test_quantized_kernel_choices_round_trip_and_a_benchmarks_own_keys_stay_out() -> None:
     chosen = {FP8_KEY: quant_matmul.fp8_candidates(1)[2], BLOCK_KEY: quant_matmul.fp8_candidates(8)[1],
               INT4_KEY: quant_matmul.int4_candidates(256, 128)[1]}
@@ -124,33 +136,6 @@ def test_quantized_kernel_choices_round_trip_and_a_benchmarks_own_keys_stay_out(
     triton_ops._GEMV_CHOICE.clear()
     assert TuningCache(KEY).load() == 4
     assert quant_matmul._CHOSEN == chosen
-
-
-@pytest.mark.parametrize("tamper, why", [
-    (lambda d: d["quant_choice"].update({json.dumps(list(FP8_KEY)): {**d["quant_choice"][json.dumps(list(FP8_KEY))],
-                                                                     "block_n": 48}}),
-     "is not one the kernel is timed in"),
-    (lambda d: d["quant_choice"].update({json.dumps(["fp4", 1, 8, 8, "torch.bfloat16"]): {"block_m": 16}}),
-     "a malformed entry"),
-    (lambda d: d["quant_choice"].update({"[1, 2": {"block_m": 16}}), "a malformed entry"),
-    (lambda d: d["quant_choice"].update({json.dumps(list(FP8_KEY)): {"block_m": 16, "tiles": 3}}),
-     "a malformed entry"),
-    (lambda d: d.update(format=1), "an unknown format"),
-])
-def test_a_bad_quantized_choice_sets_the_whole_file_aside(tamper, why, caplog) -> None:
-    quant_matmul._CHOSEN[FP8_KEY] = quant_matmul.fp8_candidates(1)[0]
-    triton_ops._GEMV_CHOICE[(2, 16, 16, "bfloat16")] = True
-    cache = TuningCache(KEY)
-    cache.save()
-    data = json.loads(cache.path.read_text())
-    tamper(data)
-    cache.path.write_text(json.dumps(data))
-    quant_matmul._CHOSEN.clear()
-    triton_ops._GEMV_CHOICE.clear()
-    with caplog.at_level("WARNING", logger="fovea.engine.paged"):
-        assert TuningCache(KEY).load() == 0
-    assert not quant_matmul._CHOSEN and not triton_ops._GEMV_CHOICE
-    assert why in caplog.text
 
 
 def test_every_key_the_kernels_make_has_its_candidates() -> None:
