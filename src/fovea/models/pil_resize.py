@@ -140,7 +140,7 @@ def _vertical_first(source: tuple[int, int], target: tuple[int, int]) -> bool:
     """Whether the installed Pillow runs the vertical pass first for (height, width) ``source`` ->
     ``target`` when both axes change: its rule as ``matches_pillow`` found it (Pillow 13's if
     none matched; the device path is not used then)."""
-    return RULES.get(pillow_rule() or "pillow13", _rule_pillow13)(source, target)
+    return RULES[pillow_rule() or "pillow13"](source, target)
 
 
 def pil_resize(image: torch.Tensor, size: tuple[int, int], vertical_first: bool | None = None) -> torch.Tensor:

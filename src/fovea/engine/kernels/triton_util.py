@@ -98,8 +98,8 @@ def _captured(stream: torch.cuda.Stream, body: Callable[[], object]) -> torch.cu
     """``GRAPH_REPS`` calls of ``body`` captured on ``stream``. Not ``torch.cuda.graph``: that
     synchronises the device and empties the allocator's cache on every entry (and, in some torch
     versions or settings, collects garbage), twice per candidate with the flush graph; with it,
-    FP8's 7B start-up took 22 s longer on the H200 (kernel choices 17.9 s against 8.3 s), the
-    likely cause (not measured yet). thread_local: the engine core checks the vision stage in
+    FP8's 7B kernel choices took 17.9 s on the H200, 7.8-14.7 s with this capture on three fresh
+    machines (docs/benchmarks.md, 2026-12-03 night). thread_local: the engine core checks the vision stage in
     another thread meanwhile, whose allocations a global capture would refuse."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
