@@ -166,10 +166,47 @@ def single_bodies(name: str, args, words: Callable[[int], str], count: int) -> l
             for i in range(count + 1)]
 
 
+PHASES = {"prepare": "fovea_request_prepare_seconds", "queue": "fovea_request_queue_seconds",
+          "prefill": "fovea_request_prefill_seconds", "engine_ttft": "fovea_time_to_first_token_seconds"}
+
+
+def request_phases(url: str) -> dict[str, float]:
+    """The server's first-token phase histograms' sums and counts (fovea/serve/metrics.py)."""
+    wanted = {f"{metric}_{part}" for metric in PHASES.values() for part in ("sum", "count")}
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in wanted:
+            out[name] = float(value)
+    return out
+
+
+def phase_means_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Each phase's mean over the requests between two readings (ms; None where none was observed)."""
+    means = {}
+    for phase, metric in PHASES.items():
+        count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
+        total = after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)
+        means[f"{phase}_ms"] = round(1e3 * total / count, 2) if count > 0 else None
+    return means
+
+
 def single_ttft(url: str, name: str, args, words: Callable[[int], str], count: int = SINGLE_COUNT) -> dict:
-    """One request at a time, one image of ``--burst-size``, 16 tokens: TTFT median and spread."""
-    results = asyncio.run(load.sequential(url, single_bodies(name, args, words, count)))[1:]  # the first warms
-    return ttft_summary(results)
+    """One request at a time, one image of ``--burst-size``, 16 tokens: TTFT median and spread, and
+    where the mean went: the API's preparation, the engine's queue and prefill, and the rest (HTTP,
+    the hand-off to the engine and the token's way back) of the client's mean TTFT."""
+    bodies = single_bodies(name, args, words, count)
+    asyncio.run(load.sequential(url, bodies[:1]))  # the first warms
+    before = request_phases(url)
+    results = asyncio.run(load.sequential(url, bodies[1:]))
+    summary = ttft_summary(results)
+    phases = phase_means_ms(before, request_phases(url))
+    ok = [1e3 * r.ttft_s for r in results if r.ok]
+    if ok and phases["prepare_ms"] is not None and phases["engine_ttft_ms"] is not None:
+        phases["client_mean_ms"] = round(sum(ok) / len(ok), 2)
+        phases["rest_ms"] = round(phases["client_mean_ms"] - phases["prepare_ms"] - phases["engine_ttft_ms"], 2)
+    summary["phases_ms"] = phases
+    return summary
 
 
 def ttft_summary(results: list[load.Result]) -> dict:
@@ -561,6 +598,11 @@ def main(family: FamilyBench, doc: str) -> int:
                 versus, goal = f"offline {off:.1f}: {single['ttft_ms_p50'] - off:+.1f} ms", "<= offline + 2 ms, 40 ms"
             table.append((f"serve {topology}", "one request, one image: TTFT ms", ms(single["ttft_ms_p50"]), versus,
                           goal))
+            phases = single.get("phases_ms") or {}
+            if phases.get("rest_ms") is not None and phases.get("queue_ms") is not None:
+                table.append((f"serve {topology}", "  its mean: prepare + queue + prefill + rest ms",
+                              f"{phases['prepare_ms']:.1f} + {phases['queue_ms']:.1f} + {phases['prefill_ms']:.1f} + "
+                              f"{phases['rest_ms']:.1f}", f"client mean {phases['client_mean_ms']:.1f}", ""))
             for load_name, p in r["sustained"].items():
                 if p["failed"]:
                     problems.append(f"{topology} Poisson {load_name}: {p['failed']} of {p['requests']} request(s) "

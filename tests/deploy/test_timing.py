@@ -31,9 +31,37 @@ def test_encoder_time_is_reported_then_the_cache_hit(live_server):
     first = chat(live_server.base_url, url, timing=True).json()["fovea"]["timing"]
     assert first["images_encoded"] == 1 and first["images_cached"] == 0 and first["encoder_ms"] > 0
     assert 0 < first["first_token_ms"] <= first["total_ms"]
+    # The first token's two phases in the engine: the wait for a step, then vision and prefill.
+    assert first["queue_ms"] >= 0 and first["prefill_ms"] > 0
+    assert abs(first["queue_ms"] + first["prefill_ms"] - first["first_token_ms"]) <= 0.002  # three rounded ms
     assert first["completion_tokens"] > 1 and first["decode_tokens_per_s"] > 0
     again = last_fovea_chunk(chat(live_server.base_url, url, stream=True, timing=True))["timing"]
     assert again["images_encoded"] == 0 and again["images_cached"] == 1 and again["encoder_ms"] == 0
+
+
+def metric_samples(base: str) -> dict[str, float]:
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_the_first_tokens_phases_reach_the_metrics(live_server):
+    """Each finished request adds one prepare (API), queue and prefill (engine) observation, and
+    the engine's two phases add up to its time to first token."""
+    before = metric_samples(live_server.base_url)
+    chat(live_server.base_url, data_url(scenes.render(fresh_scene(403))))
+    after = metric_samples(live_server.base_url)
+    grew = {name: after[f"fovea_{name}_count"] - before.get(f"fovea_{name}_count", 0.0)
+            for name in ("request_prepare_seconds", "request_queue_seconds", "request_prefill_seconds",
+                         "time_to_first_token_seconds")}
+    assert grew == {"request_prepare_seconds": 1, "request_queue_seconds": 1, "request_prefill_seconds": 1,
+                    "time_to_first_token_seconds": 1}
+    added = {name: after[f"fovea_{name}_sum"] - before.get(f"fovea_{name}_sum", 0.0)
+             for name in ("request_prepare_seconds", "request_queue_seconds", "request_prefill_seconds",
+                          "time_to_first_token_seconds")}
+    assert added["request_prepare_seconds"] > 0 and added["request_prefill_seconds"] > 0
+    assert abs(added["request_queue_seconds"] + added["request_prefill_seconds"]
+               - added["time_to_first_token_seconds"]) < 1e-6
 
 
 def test_timing_without_an_image_and_only_when_asked(live_server):

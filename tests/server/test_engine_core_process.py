@@ -128,7 +128,9 @@ def test_the_engine_metrics_come_from_the_core(core_server):
         """What has not grown yet (the core sends its counters every 0.25 s)."""
         embed = 'fovea_engine_step_phase_seconds_total{phase="embed"}'
         return [name for name, by in (("fovea_engine_steps_total", 4), ("fovea_encoder_cache_misses_total", 1),
-                                      ("fovea_vision_encoder_latency_ms_count", 1), (embed, 1e-9))
+                                      ("fovea_vision_encoder_latency_ms_count", 1), (embed, 1e-9),
+                                      ("fovea_request_queue_seconds_count", 1),
+                                      ("fovea_request_prefill_seconds_count", 1))
                 if after.get(name, 0.0) < before.get(name, 0.0) + by]
 
     before = samples()

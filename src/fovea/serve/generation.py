@@ -84,7 +84,10 @@ def timing_report(state: ServerState, prompt: EncodedPrompt, finish: FinishEvent
     decode_s = finish.total_s - (finish.first_token_s or 0.0)
     rate = (finish.completion_tokens - 1) / decode_s if finish.completion_tokens > 1 and decode_s > 0 else None
     first = None if finish.first_token_s is None else round(1000 * finish.first_token_s, 3)
-    return {**vision, "first_token_ms": first, "total_ms": round(1000 * finish.total_s, 3),
+    queue = None if finish.queue_s is None else round(1000 * finish.queue_s, 3)
+    prefill = None if first is None or queue is None else round(max(0.0, first - queue), 3)
+    return {**vision, "queue_ms": queue, "prefill_ms": prefill, "first_token_ms": first,
+            "total_ms": round(1000 * finish.total_s, 3),
             "completion_tokens": finish.completion_tokens,
             "decode_tokens_per_s": None if rate is None else round(rate, 2)}
 
@@ -179,7 +182,7 @@ async def collect_choices(state: ServerState, prompt: EncodedPrompt, events: Asy
                 logprobs.setdefault(event.index, []).append(event.logprob)
         elif isinstance(event, FinishEvent):
             finishes[event.index] = event
-            state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
+            state.metrics.observe_finish(event)
             log_finish(state, prompt, event, rid)
         elif isinstance(event, ErrorEvent):
             raise failure(event.error)  # a 5xx (or the error's own status) with a JSON body
@@ -330,7 +333,7 @@ async def _chunks(state: ServerState, req: SamplingFields, prompt: EncodedPrompt
                     yield usage.stamp(chunk)
             elif isinstance(event, FinishEvent):
                 usage.on_finish(event)
-                state.metrics.observe_finish(event.first_token_s, event.total_s, event.completion_tokens)
+                state.metrics.observe_finish(event)
                 log_finish(state, prompt, event, rid)
                 try:
                     *before, last = fmt.on_finish(rid, model, created, event.finish_reason, event.index)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
+
+if TYPE_CHECKING:
+    from fovea.engine.core.request import FinishEvent
 
 # Refusals that mean "this request's image could not reach the model as sent".
 MODALITY_CODES = frozenset({
@@ -72,8 +76,18 @@ class Metrics:
                                        "requests refused because an image could not reach the model",
                                        ["reason"], registry=r)
         self.requests = Counter("fovea_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
-        self.ttft = Histogram("fovea_time_to_first_token_seconds", "arrival to first generated token",
-                              buckets=_S_BUCKETS, registry=r)
+        self.ttft = Histogram("fovea_time_to_first_token_seconds", "the engine's arrival of a request to its "
+                              "first generated token (queue + prefill)", buckets=_S_BUCKETS, registry=r)
+        # A request's first token, phase by phase: what the API process spent preparing it, then
+        # the engine's wait and prefill. What the client sees beyond their sum is HTTP and the hops.
+        self.prepare = Histogram("fovea_request_prepare_seconds",
+                                 "the API process's preparation of a prompt (for generation, /tokenize and the "
+                                 "canary): media decoding, the processor, the chat template and tokenisation", buckets=_S_BUCKETS, registry=r)
+        self.queue_time = Histogram("fovea_request_queue_seconds", "the engine's arrival of a request to the "
+                                    "first step that took it", buckets=_S_BUCKETS, registry=r)
+        self.prefill = Histogram("fovea_request_prefill_seconds", "the first step that took a request to its first "
+                                 "token: vision, the prompt's prefill chunks and the first sample",
+                                 buckets=_S_BUCKETS, registry=r)
         self.tpot = Histogram("fovea_time_per_output_token_seconds", "mean time per output token after the first",
                               buckets=_TPOT_BUCKETS, registry=r)
         self.handoff = Histogram("fovea_embedding_handoff_seconds",
@@ -91,11 +105,15 @@ class Metrics:
         r.register(_RecoveryCollector(oom_recoveries))
         r.register(_StepCollector(engine_steps))
 
-    def observe_finish(self, first_token_s: float | None, total_s: float, completion_tokens: int) -> None:
-        if first_token_s is not None:
-            self.ttft.observe(first_token_s)
-            if completion_tokens > 1:
-                self.tpot.observe((total_s - first_token_s) / (completion_tokens - 1))
+    def observe_finish(self, finish: FinishEvent) -> None:
+        first = finish.first_token_s
+        if first is not None:
+            self.ttft.observe(first)
+            if finish.queue_s is not None:
+                self.queue_time.observe(finish.queue_s)
+                self.prefill.observe(max(0.0, first - finish.queue_s))
+            if finish.completion_tokens > 1:
+                self.tpot.observe((finish.total_s - first) / (finish.completion_tokens - 1))
 
     def observe_handoff(self, seconds_per_image: float, images: int) -> None:
         for _ in range(images):

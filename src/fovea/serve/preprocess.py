@@ -24,7 +24,7 @@ import multiprocessing
 import pickle
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -175,8 +175,10 @@ def header_pixels(data: bytes) -> int:
 
 
 class Preprocessor:
-    def __init__(self, loaded: Any, media: MediaConfig, workers: int, recipe_fingerprint: str) -> None:
+    def __init__(self, loaded: Any, media: MediaConfig, workers: int, recipe_fingerprint: str,
+                 observe: Callable[[float], None] | None = None) -> None:
         self.model: PromptCodec = loaded.codec
+        self.observe = observe  # given the seconds of each prompt prepared (fovea_request_prepare_seconds)
         self.media = media
         self.reduce_to = loaded.codec.target_short_side()
         self.fingerprint = recipe_fingerprint
@@ -218,11 +220,14 @@ class Preprocessor:
                    options: EncodeOptions = DEFAULT_OPTIONS) -> tuple[EncodedPrompt, EncodedPrompt | None]:
         started = time.perf_counter()
         try:
-            return await self._build(text, images, template_rendered, blank_twin, videos, options)
+            built = await self._build(text, images, template_rendered, blank_twin, videos, options)
         finally:
             seconds = time.perf_counter() - started
             if seconds > SLOW_S:
                 log.warning("preparing a request's prompt (%d image(s)) took %.2f s", len(images), seconds)
+        if self.observe is not None:
+            self.observe(seconds)
+        return built
 
     async def _build(self, text: str, images: list[tuple[bytes, str]], template_rendered: bool,
                      blank_twin: bool, videos: list[tuple[bytes, str]] = (),

@@ -62,7 +62,7 @@ class ServerState:
         sampling = bool(getattr(gen, "do_sample", False))
         store = ImageStore(settings.media)
         preprocessor = Preprocessor(loaded, settings.media, preprocess_workers(settings, loaded),
-                                    contract.recipe_fingerprint)
+                                    contract.recipe_fingerprint, observe=metrics.prepare.observe)
         return cls(
             settings=settings,
             loaded=loaded,

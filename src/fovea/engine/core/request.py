@@ -74,6 +74,9 @@ class FinishEvent:
     # them): one entry per prompt token from the second on, and [full_rows, vocab] float32 rows.
     prompt_logprobs: list[TokenLogprob] | None = None
     prompt_rows: torch.Tensor | None = None
+    # Seconds from arrival to the first step that took the sequence (its wait in the queue); the
+    # rest of first_token_s is its prefill: vision, the prompt's chunks and the first sample.
+    queue_s: float | None = None
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ A request that arrives while others decode joins at the next step.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -195,6 +196,8 @@ class Scheduler:
             blocks.admit(seq, hits)
             blocks.ensure(seq, start + n)
             seq.status = SeqStatus.RUNNING
+            if seq.scheduled_s is None:  # (a preempted sequence's second admission is not its wait)
+                seq.scheduled_s = time.perf_counter() - seq.request.arrival
             self.running.append(seq)
             plan.chunks.append(Chunk(seq, start, n, n == seq.num_tokens - start))
             budget -= n

@@ -79,6 +79,7 @@ class Sequence:
         # that token is still on the device (its place in token_ids holds pending_token(row)).
         self.pending_row: int | None = None
         self.first_token_s: float | None = None
+        self.scheduled_s: float | None = None  # seconds from arrival to the first step that took it
         self.grammar = start_grammar(request.params.grammar)  # structured outputs; None: free text
         # Teacher-forced scores of the prompt, filled by its prefill chunks (prompt_scores.py).
         self.scores = PromptScores(request.scoring, self.token_ids, self.prompt_len) \
@@ -175,4 +176,5 @@ class Sequence:
             first_logprobs=req.first_logprobs,
             prompt_logprobs=self.scores.logprobs() if scored else None,
             prompt_rows=self.scores.rows() if scored else None,
+            queue_s=self.scheduled_s,
         ))

@@ -266,7 +266,7 @@ class Run:
                     for item in self.output.on_token(update):
                         yield item
                 elif isinstance(update, FinishEvent):
-                    state.metrics.observe_finish(update.first_token_s, update.total_s, update.completion_tokens)
+                    state.metrics.observe_finish(update)
                     log_finish(state, prompt, update, self.rid)
                     for item in self.output.on_finish(update):
                         yield item
