@@ -179,6 +179,32 @@ def test_the_fleet_chooses_among_ready_workers_not_yet_tried():
     assert fleet.choose({0, 1}, (b"x",), table) == (None, "miss")
 
 
+def test_a_worker_a_connection_failed_to_is_passed_over_until_its_health_answers_again():
+    fleet = PdFleet(2, [], [], "internal", b"key")
+    down: set[int] = set()
+    for index, worker in enumerate(fleet.workers):
+        worker.state, worker.child = "ready", PlacedAt(42_000 + index, down)
+        worker.answered_at = 1.0
+    table = AffinityTable()
+    table.record([b"x"], 1)
+    assert fleet.choose(set(), (b"x",), table) == (fleet.workers[1], "hit")
+    # Its process is not known to be gone (Ray sees a removed node late): ready, but doubted.
+    assert fleet.suspect(fleet.workers[1]) is False
+    assert fleet.workers[1].state == "ready" and fleet.workers[1].doubted
+    assert fleet.workers[1].status()["doubted"] is True and fleet.workers[0].status()["doubted"] is False
+    assert fleet.choose(set(), (b"x",), table) == (fleet.workers[0], "miss")
+    # Every worker doubted: a try rather than a refusal.
+    fleet.suspect(fleet.workers[0])
+    assert fleet.choose(set(), (b"x",), table) == (fleet.workers[1], "hit")
+    # A /health asked after the failure answered: trusted again.
+    fleet.workers[1].answered_at = fleet.workers[1].failed_at + 0.001
+    assert not fleet.workers[1].doubted
+    assert fleet.choose({1}, (b"x",), table) == (fleet.workers[0], "miss")
+    # One whose process is gone is dead at once, not doubted.
+    down.add(42_000)
+    assert fleet.suspect(fleet.workers[0]) is True and fleet.workers[0].state == "dead"
+
+
 def test_a_restarted_worker_loses_its_entries():
     table = AffinityTable()
     table.record([b"a", b"b"], 0)
@@ -250,9 +276,13 @@ def test_the_proxy_routes_by_affinity_records_where_it_sent_and_retries_an_unrea
     for index, worker in enumerate(fleet.workers):
         worker.state, worker.child = "ready", PlacedAt(41_000 + index, down)
 
+    dropping: set[int] = set()
+
     def answer(request: httpx.Request) -> httpx.Response:
         if request.url.port in down:
             raise httpx.ConnectError("refused", request=request)
+        if request.url.port in dropping:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
         if request.url.path == "/metrics":
             return httpx.Response(200, text="")
         return httpx.Response(200, json={"port": request.url.port})
@@ -276,11 +306,21 @@ def test_the_proxy_routes_by_affinity_records_where_it_sent_and_retries_an_unrea
         assert send(chat(PNG)) == "0" and fleet.workers[1].state == "dead"
         assert proxy.affinity.holders(affinity_keys(chat(PNG))) == {0: 1}
         assert [w.in_flight for w in fleet.workers] == [0, 0]
+        # A worker that drops a request while its process still looks alive loses that request
+        # (503 pd_worker_lost) and, doubted, is passed over by the image's next request.
+        down.discard(41_001)  # worker 1 back (restarted)
+        fleet.workers[1].state, fleet.workers[1].answered_at = "ready", 1.0
+        dropping.add(41_000)
+        lost = client.post("/v1/chat/completions", content=chat(PNG), headers={"content-type": "application/json"})
+        assert lost.status_code == 503 and lost.json()["error"]["code"] == "pd_worker_lost"
+        assert lost.headers["x-fovea-pd-worker"] == "0" and fleet.workers[0].doubted
+        assert send(chat(PNG)) == "1"
         text = client.get("/metrics").text
     finally:
         encoders.stop()
     counts = {o: f'fovea_front_affinity_total{{outcome="{o}"}}' for o in ("hit", "miss", "overloaded", "none")}
-    assert f'{counts["hit"]} 2.0' in text and f'{counts["miss"]} 3.0' in text  # the retry counted once, as a miss
+    # The retry counted once, as a miss; the lost request as the hit it was, the one after it as a miss.
+    assert f'{counts["hit"]} 3.0' in text and f'{counts["miss"]} 4.0' in text
     assert f'{counts["overloaded"]} 0.0' in text and f'{counts["none"]} 0.0' in text
 
 

@@ -171,9 +171,14 @@ def test_a_removed_node_loses_only_its_requests_and_its_replica_returns_on_a_nod
         else:  # only the removed node's replica may lose requests, and it says so
             assert reply.status_code == 503 and reply.json()["error"]["code"] == "pd_worker_lost", reply.text
             assert reply.headers["x-fovea-pd-worker"] == str(doomed)
-    # The other replica answers meanwhile.
-    assert httpx.post(ray_front.base + "/v1/chat/completions", json=chat(images[0]), headers=AUTH,
-                      timeout=120).json()["choices"][0]["message"]["content"] == expected[0]
+    # Within a few seconds the front stops sending to it (a lost request or a refused /health
+    # makes it doubted; Ray reports the actor dead later), and the other replica answers meanwhile.
+    wait_for("the front still routes to the removed node's replica",
+             lambda: not any(w["index"] == doomed and w["state"] == "ready" and not w["doubted"]
+                             for w in health(ray_front)["pd_workers"]), timeout=30)
+    meanwhile = httpx.post(ray_front.base + "/v1/chat/completions", json=chat(images[0]), headers=AUTH, timeout=120)
+    assert meanwhile.status_code == 200, (meanwhile.status_code, meanwhile.text, health(ray_front))
+    assert content(meanwhile) == expected[0] and meanwhile.headers["x-fovea-pd-worker"] != str(doomed)
     # No node has room for it until node C joins; then Ray places it there and the front starts it.
     ray_front.nodes["C"] = ray_front.cluster.add_node(**NODE, num_cpus=2, resources={"fovea_pd": 1})
     back = wait_for("the lost replica did not return on the new node",

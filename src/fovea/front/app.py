@@ -112,6 +112,9 @@ def create_front_app(settings: ServerSettings, fleet: PdFleet, encoders: EncodeF
                 reasons += [f"PD worker {worker['index']}: {r}" for r in body.get("reasons") or ["degraded"]]
             elif worker["state"] != "ready":
                 warnings.append(f"PD worker {worker['index']} is {worker['state']} (restarts {worker['restarts']})")
+            if worker["doubted"]:
+                warnings.append(f"PD worker {worker['index']} is doubted: a connection to it failed, so requests "
+                                "go to the others until its /health answers again")
         warnings += [f"encode worker {e['index']} is {e['state']} (restarts {e['restarts']})"
                      for e in encode if e["state"] != "ready"]
         model = next((w["health"].get("model") for w in pd if w["health"]), settings.served_model_name)

@@ -6,7 +6,9 @@ loaded and the canary has run), then it gets the images uploaded so far (``on_jo
 started again on a fresh port, after a backoff when it keeps dying before it is ready. A ready
 one whose ``/health`` goes unanswered for ``hung_after_s`` (``--pd-timeout``: stopped,
 deadlocked, swapping) is killed, so its requests fail with ``pd_worker_lost`` instead of
-waiting for ever, and it is restarted the same way.
+waiting for ever, and it is restarted the same way. A ready one that a connection failed to
+(a request lost, a connection or its /health refused) but whose process is not known to be gone
+is "doubted": passed over by routing until a /health asked after the failure answers.
 """
 
 from __future__ import annotations
@@ -48,10 +50,18 @@ class PdWorker:
     launched_at: float = 0.0
     in_flight: int = 0
     answered_at: float = 0.0  # when its /health last answered (ready workers)
+    failed_at: float = 0.0  # when a connection to it last failed (a request lost, or not taken)
     asked_at: float = 0.0
     routed: int = 0  # requests sent to it, over all its restarts (the tie-break between idle workers)
     waiting: int = 0  # its engine's waiting requests, as its /health last said (routing.py)
     kv_free: float | None = None  # its KV cache's free share, likewise; None: not reported
+
+    @property
+    def doubted(self) -> bool:
+        """A connection to it failed since its /health last answered: its process may be going
+        (a Ray node's removal is seen by Ray seconds after the connections break), so requests go
+        to the others until its /health answers again or it is found dead."""
+        return self.failed_at > self.answered_at
 
     @property
     def placement(self) -> Placement | None:
@@ -80,7 +90,8 @@ class PdWorker:
         return {"index": self.index, "pid": self.pid, "port": self.port, "state": state,
                 "node": placement.node if placement is not None else None,
                 "host": placement.host if placement is not None else None,
-                "restarts": self.restarts, "in_flight": self.in_flight, "routed": self.routed}
+                "restarts": self.restarts, "in_flight": self.in_flight, "routed": self.routed,
+                "doubted": self.state == "ready" and self.doubted}
 
 
 class PdFleet:
@@ -126,15 +137,18 @@ class PdFleet:
     def choose(self, exclude: set[int] = frozenset(), keys: tuple[bytes, ...] = (),  # type: ignore[assignment]
                affinity: routing.AffinityTable | None = None) -> tuple[PdWorker | None, str]:
         """The ready worker not in ``exclude`` that the request goes to, by load and by the
-        affinity of its image ``keys`` (routing.py), and the affinity outcome."""
-        return routing.choose([w for w in self.ready() if w.index not in exclude], keys, affinity)
+        affinity of its image ``keys`` (routing.py), and the affinity outcome. A doubted worker
+        only when every other is doubted too: better a try than a refusal."""
+        candidates = [w for w in self.ready() if w.index not in exclude]
+        return routing.choose([w for w in candidates if not w.doubted] or candidates, keys, affinity)
 
     def suspect(self, worker: PdWorker) -> bool:
         """After a connection failed: mark it dead now if its process is gone (no request
-        waits for the watcher to notice). True if it is."""
+        waits for the watcher to notice), else doubted until its /health answers. True if dead."""
         if worker.state in ("ready", "starting") and worker.exited():
             self._mark_dead(worker)
             return True
+        worker.failed_at = time.monotonic()
         return worker.state == "dead"
 
     def _mark_dead(self, worker: PdWorker) -> None:
@@ -146,10 +160,12 @@ class PdFleet:
     # ---- supervision ----------------------------------------------------------------------
     async def probe(self, client: httpx.AsyncClient, worker: PdWorker) -> bool:
         """Whether its /health answers (any status: a --strict worker answers 503 while degraded);
-        what it says of its engine's load is kept for routing."""
+        what it says of its engine's load is kept for routing. Refused or cut off, it is doubted."""
         try:
             reply = await client.get(worker.url + "/health", headers=self.headers, timeout=PROBE_TIMEOUT_S)
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
+            if not isinstance(exc, httpx.TimeoutException):  # refused or cut: doubted (a slow one is not)
+                worker.failed_at = time.monotonic()
             return False
         routing.take_health(worker, reply.content)
         return True
@@ -191,7 +207,7 @@ class PdFleet:
     async def _check_alive(self, client: httpx.AsyncClient, worker: PdWorker) -> None:
         worker.asked_at = now = time.monotonic()
         if await self.probe(client, worker):
-            worker.answered_at = time.monotonic()
+            worker.answered_at = now  # when asked: an answer to a question asked before a failure clears no doubt
         elif now - worker.answered_at > self.hung_after_s and not worker.exited():
             log.warning("PD worker %d (pid %s) has not answered /health for %.0f s (--pd-timeout): killing it; "
                         "its requests fail with pd_worker_lost and it is restarted", worker.index, worker.pid,
