@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -329,6 +330,11 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         server.run(sockets=sockets)
         if not server.started:
             sys.exit(3)  # as uvicorn.run: the app could not start
+    except KeyboardInterrupt:
+        # Ctrl-C: uvicorn stopped gracefully, then re-raised the SIGINT it caught, which Python
+        # turns into a traceback. End by the signal instead, quietly, as after SIGTERM.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGINT)
     except SystemExit:  # the app could not start: a refusal is printed in one line
         from fovea.serve.startup_checks import startup_refusal
 

@@ -270,6 +270,25 @@ def test_sigterm_lets_a_stream_finish_then_stops_the_core():
         process.wait(timeout=30)
 
 
+@NEEDS_PROC
+def test_ctrl_c_stops_the_server_and_its_core_quietly():
+    """SIGINT, as Ctrl-C sends it: a graceful stop, then the process ends by that signal, with no
+    KeyboardInterrupt traceback."""
+    process, base = serve()
+    try:
+        wait_ready(process, base)
+        core = core_of(process)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == -signal.SIGINT
+        out = process.stdout.read()
+        assert "Application shutdown complete" in out and "Traceback" not in out, out[-3000:]
+        assert not Path(f"/proc/{core}").exists() or "zombie" in Path(f"/proc/{core}/status").read_text().lower()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
 def started_pids(log: Path) -> list[int]:
     """The pids of the API processes whose uvicorn has started, in order."""
     return [int(line.rsplit("[", 1)[1].split("]")[0]) for line in log.read_text(errors="replace").splitlines()
