@@ -50,7 +50,7 @@ class PdWorker:
     launched_at: float = 0.0
     in_flight: int = 0
     answered_at: float = 0.0  # when its /health last answered (ready workers)
-    failed_at: float = 0.0  # when a connection to it last failed (a request lost, or not taken)
+    failed_at: float = 0.0  # when a connection to it last failed: a request lost or refused, or its /health refused
     asked_at: float = 0.0
     routed: int = 0  # requests sent to it, over all its restarts (the tie-break between idle workers)
     waiting: int = 0  # its engine's waiting requests, as its /health last said (routing.py)
