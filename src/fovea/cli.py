@@ -314,6 +314,13 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from fovea.gil import set_switch_interval
 
     set_switch_interval()  # the engine thread (here or in the core) and the loops hand the GIL over fast
+    metrics_dir = None
+    if settings.api_server_count > 1:  # each API process observes its own requests; /metrics shows the sums
+        from fovea.serve.api_servers import shared_metrics_dir
+        from fovea.serve.metrics import share_between_processes
+
+        metrics_dir = shared_metrics_dir()
+        share_between_processes(str(metrics_dir))  # the further API processes inherit it
     app = create_app(settings)
     # log_config=None: keep fovea's handlers (fovea.logs), which carry the request ids.
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
@@ -321,10 +328,10 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     app.state.stop_server = lambda: setattr(server, "should_exit", True)  # a graceful stop (a dead engine core)
     sockets = None
     if settings.api_server_count > 1:  # more API processes on this port, all feeding the one engine core
-        from fovea.serve.api_servers import ApiServers, listening_socket
+        from fovea.serve.api_servers import ApiServers, port_socket
 
-        sockets = [listening_socket(settings.host, settings.port)]
-        peers = ApiServers(settings, app.state.core, sockets[0], args.log_level, args.log_format).start()
+        sockets = [port_socket(settings.host, settings.port, first=True)]
+        peers = ApiServers(settings, app.state.core, args.log_level, args.log_format, metrics_dir).start()
         app.state.fovea.engine.before_stop.append(peers.stop)  # they stop (finishing their streams) first
     try:
         server.run(sockets=sockets)

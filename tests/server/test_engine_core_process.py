@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -295,8 +296,28 @@ def started_pids(log: Path) -> list[int]:
             if "Started server process [" in line]
 
 
+def served_by(log: Path, what: str) -> tuple[int, int]:
+    """Access-log lines ``what`` (e.g. "POST /v1/chat/completions 200") of the first API process
+    and of the further ones (whose lines carry their name, api-1...)."""
+    lines = [line for line in log.read_text().splitlines() if f"fovea.access: {what}" in line]
+    further = sum(" api-" in line for line in lines)
+    return len(lines) - further, further
+
+
+def chat_total(metrics_text: str) -> float:
+    prefix = 'fovea_requests_total{route="/v1/chat/completions",status="200"} '
+    return sum(float(line.removeprefix(prefix)) for line in metrics_text.splitlines() if line.startswith(prefix))
+
+
+def first_token_count(metrics_text: str) -> float:
+    return sum(float(line.split()[-1]) for line in metrics_text.splitlines()
+               if line.startswith("fovea_time_to_first_token_seconds_count"))
+
+
 @NEEDS_PROC
 def test_two_api_processes_feed_one_core_and_one_dying_loses_nothing_else(tmp_path):
+    """Ready only once both API processes serve; /metrics, whichever process answers it, counts
+    the requests of both (and of one that died since); a dead one is replaced."""
     log = tmp_path / "server.log"
     port = free_port()
     base = f"http://127.0.0.1:{port}"
@@ -306,9 +327,9 @@ def test_two_api_processes_feed_one_core_and_one_dying_loses_nothing_else(tmp_pa
                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     try:
         wait_ready(process, base)
-        deadline = time.monotonic() + 60
-        while len(started_pids(log)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        health = httpx.get(base + "/health", timeout=10).json()
+        assert health["api_servers"] == {"serving": 2, "of": 2} and health["status"] == "ok", health
+        assert log.read_text().count("Application startup complete") == 2, log.read_text()[-3000:]
         first, other = started_pids(log)[:2]
         assert first == process.pid and other in children(process.pid)
 
@@ -325,19 +346,47 @@ def test_two_api_processes_feed_one_core_and_one_dying_loses_nothing_else(tmp_pa
 
             return asyncio.run(all_of())
 
-        answers = ask_many(24)
+        def scrapes_from_both() -> list[str]:
+            """/metrics, a connection each, until both processes have answered it at least once."""
+            texts = []
+            while min(served_by(log, "GET /metrics 200")) == 0 and len(texts) < 60:
+                texts.append(httpx.get(base + "/metrics", timeout=30).text)
+            assert min(served_by(log, "GET /metrics 200")) > 0, "one API process answered every scrape"
+            return texts
+
+        answers, sent = [], 0
+        while min(served_by(log, "POST /v1/chat/completions 200")) == 0 and sent < 240:
+            answers += ask_many(24)  # the kernel hands connections to whichever process accepts first
+            sent += 24
+        assert min(served_by(log, "POST /v1/chat/completions 200")) > 0, "one API process took every request"
         assert len(set(answers)) == 1 and answers[0]  # one model, one greedy answer, whoever took it
+        for text in scrapes_from_both():
+            assert chat_total(text) == sent and first_token_count(text) == sent, text[-2000:]
+
         os.kill(other, signal.SIGKILL)  # a further API process dies: the core and the first go on
         assert ask_many(8) == answers[:8]
+        statuses = []
         deadline = time.monotonic() + 60
         while len(started_pids(log)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
+            statuses.append(httpx.get(base + "/health", timeout=10).json())
+            time.sleep(0.1)
         assert len(started_pids(log)) == 3, log.read_text()[-3000:]  # and another takes its place
         assert "API process 1" in log.read_text() and "exited with status -9" in log.read_text()
+        # While it is replaced, the server says so (and still answers: degraded, not starting).
+        assert any(h["status"] == "degraded" and h["api_servers"] == {"serving": 1, "of": 2} for h in statuses), \
+            statuses[-3:]
+        deadline = time.monotonic() + 60
+        while httpx.get(base + "/health", timeout=10).json()["api_servers"]["serving"] < 2:
+            assert time.monotonic() < deadline, "the replacement never served"
+            time.sleep(0.2)
+        text = httpx.get(base + "/metrics", timeout=30).text
+        assert chat_total(text) == sent + 8, text[-2000:]  # the dead process's requests still count
+
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == -signal.SIGTERM, log.read_text()[-3000:]
         assert not [pid for pid in (first, other, *started_pids(log)) if Path(f"/proc/{pid}").exists()
                     and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+        assert not list(Path(tempfile.gettempdir()).glob(f"fovea-metrics-{process.pid}-*"))  # its files are gone
     finally:
         if process.poll() is None:
             process.kill()

@@ -108,7 +108,8 @@ def create_app_with_core(settings: ServerSettings) -> FastAPI:
     process, address, info = start_core(settings, level, fmt, while_waiting=read_structure)
     STARTUP.merge(info.startup_seconds, info.startup_depth)
     loaded = structure["loaded"]
-    return attach(settings, loaded, EngineClient(process, address, info, loaded.context_length))
+    return attach(settings, loaded, EngineClient(process, address, info, loaded.context_length,
+                                                 api_servers=settings.api_server_count))
 
 
 def create_app_attached(settings: ServerSettings, address: str, info) -> FastAPI:
@@ -118,7 +119,8 @@ def create_app_attached(settings: ServerSettings, address: str, info) -> FastAPI
 
     loaded = load_model(settings.model, settings.device, settings.dtype, weights=False,
                         load_format=settings.load_format)
-    return attach(settings, loaded, EngineClient(None, address, info, loaded.context_length))
+    return attach(settings, loaded, EngineClient(None, address, info, loaded.context_length,
+                                                 api_servers=settings.api_server_count))
 
 
 def attach(settings: ServerSettings, loaded: LoadedModel, engine) -> FastAPI:
@@ -127,8 +129,9 @@ def attach(settings: ServerSettings, loaded: LoadedModel, engine) -> FastAPI:
     from fovea.engine.process.client import stop_server_on_death
 
     metrics = engine_metrics(lambda: engine)
-    engine.on_vision_seconds = lambda s: metrics.vision_latency.observe(1000 * s)
-    engine.on_handoff = metrics.observe_handoff
+    if engine.process is not None:  # the core's timings reach every API process: one observes them
+        engine.on_vision_seconds = lambda s: metrics.vision_latency.observe(1000 * s)
+        engine.on_handoff = metrics.observe_handoff
     try:
         same_recipe_as_core(settings, loaded, engine.info.contract)
         fit = fit_canary(settings, loaded, engine)

@@ -80,6 +80,9 @@ def lifespan(state: ServerState, run_canary: Callable[[], Awaitable[None]], on_s
                     task = asyncio.create_task(canary_loop())
             STARTUP.mark_ready()
             log.info("%s", STARTUP.summary())
+            announce = getattr(engine, "announce_serving", None)  # an engine core's client: counts for /health
+            if announce is not None:
+                announce()
             yield
         finally:
             if task is not None:

@@ -1,12 +1,25 @@
-"""Prometheus metrics for one fovea server (its own registry, so apps never collide)."""
+"""Prometheus metrics for one fovea server (its own registry, so apps never collide).
+
+With ``--api-server-count N`` each request's figures are observed by the API process that took
+it, so a scrape, which lands on one of them, would show a share of the traffic. There the
+processes share their values through files (``share_between_processes``: prometheus_client's
+multiprocess mode), and every process's /metrics shows the sums over all of them, including
+processes that have died since. What the engine core reports (queue depth, cache, steps,
+recoveries) is the same in every process and is rendered as it is; the core's vision and
+hand-off timings are observed by the first API process only, so they are not counted N times.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+_SHARED_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own name for the directory
 
 if TYPE_CHECKING:
     from fovea.engine.core.request import FinishEvent
@@ -42,6 +55,14 @@ class _RecoveryCollector:
     def collect(self):
         yield CounterMetricFamily("fovea_oom_recoveries", "engine steps that ran out of device memory and were "
                                   "retried smaller, losing no request", value=self.read())
+
+
+class _QueueCollector:
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read = read
+
+    def collect(self):
+        yield GaugeMetricFamily("fovea_queue_depth", "requests waiting for the engine", value=float(self.read()))
 
 
 class _StepCollector:
@@ -94,16 +115,21 @@ class Metrics:
                                  "e_pd: per image, an encode worker's round trip less its vision forward (pixels "
                                  "out, embeddings sealed, back, landed on the device and verified)",
                                  buckets=_HANDOFF_BUCKETS, registry=r)
-        self.queue = Gauge("fovea_queue_depth", "requests waiting for the engine", registry=r)
-        self.queue.set_function(lambda: float(queue_depth()))
+        # Each API process runs its own canary: shared, the worst of the live ones is shown.
         self.canary_ok = Gauge("fovea_canary_status", "1 when the grounding canary last passed, 0 when it failed, "
-                               "-1 before it has run", registry=r)
+                               "-1 before it has run (several API processes: the lowest)", registry=r,
+                               multiprocess_mode="livemin")
         self.canary_ok.set(-1)
-        self.canary_kl = Gauge("fovea_canary_last_ablation_kl",
-                               "smallest image-vs-blank KL divergence (nats) in the last canary run", registry=r)
-        r.register(_CacheCollector(cache_counts))
-        r.register(_RecoveryCollector(oom_recoveries))
-        r.register(_StepCollector(engine_steps))
+        self.canary_kl = Gauge("fovea_canary_last_ablation_kl", "smallest image-vs-blank KL divergence (nats) in "
+                               "the last canary run (several API processes: the smallest)", registry=r,
+                               multiprocess_mode="livemin")
+        # What is rendered: this registry, or with shared values the files' sums, and the engine's own figures.
+        self.exposed = r if shared_directory() is None else CollectorRegistry()
+        if self.exposed is not r:
+            MultiProcessCollector(self.exposed, path=shared_directory())
+        for collector in (_QueueCollector(queue_depth), _CacheCollector(cache_counts),
+                          _RecoveryCollector(oom_recoveries), _StepCollector(engine_steps)):
+            self.exposed.register(collector)
 
     def observe_finish(self, finish: FinishEvent) -> None:
         first = finish.first_token_s
@@ -124,4 +150,23 @@ class Metrics:
             self.modality_errors.labels(reason=code).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
+
+
+def share_between_processes(directory: str) -> None:
+    """From now on, in this process and the processes it starts, every metric keeps its values in
+    files in ``directory`` (which must exist and hold no other server's files), and ``Metrics``
+    renders the sums over all processes. Set before any ``Metrics`` is made."""
+    os.environ[_SHARED_ENV] = directory
+    values.ValueClass = values.MultiProcessValue()  # prometheus_client reads the variable only at import
+
+
+def shared_directory() -> str | None:
+    return os.environ.get(_SHARED_ENV) if values.ValueClass is not values.MutexValue else None
+
+
+def process_gone(pid: int) -> None:
+    """Drop a dead API process's live gauges (its canary) from the shared values; its counts stay."""
+    directory = shared_directory()
+    if directory is not None:
+        mark_process_dead(pid, directory)

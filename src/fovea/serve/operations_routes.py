@@ -40,6 +40,7 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
             "load_format": contract.load_format,
             "model_family": loaded.adapter.family.name,
             "topology": settings.topology,
+            "api_servers": state.api_servers(),
             "encode_workers": workers,
             "handoff": pool.handoff_summary() if pool is not None else None,
             "probe_image_tokens": contract.probe_image_tokens,
@@ -55,7 +56,7 @@ def make_operations_router(state: ServerState, pool, run_canary: Callable[[], Aw
                 "probe_size": last.probe_size, "answer_tokens": last.answer_tokens,
                 "meaningful": state.canary_meaningful},
         }
-        code = 503 if (settings.strict and status != "ok") else 200
+        code = 503 if status == "starting" or (settings.strict and status != "ok") else 200
         return JSONResponse(body, status_code=code)
 
     @router.post("/fovea/canary")

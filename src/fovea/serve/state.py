@@ -33,12 +33,25 @@ class ServerState:
     grammars: Any = None  # structured outputs' GrammarCompiler; None: xgrammar is not installed
 
     def health(self) -> tuple[str, list[str]]:
-        """("ok" | "degraded", reasons)."""
+        """("ok" | "degraded" | "starting", reasons). "starting": under --api-server-count, not every
+        API process has finished its start-up yet (a client that waits for ready would load one)."""
         reasons: list[str] = []
         last = self.canary.last
         if self.settings.canary and last is not None and not last.ok and self.canary_meaningful:
             reasons.extend(last.reasons)
+        servers = self.api_servers()
+        if servers is not None and servers["serving"] < servers["of"]:
+            reasons.append(f"{servers['serving']} of {servers['of']} API processes are serving "
+                           "(--api-server-count); the others are starting")
+            if not self.engine.all_api_serving_seen:
+                return "starting", reasons
         return ("degraded" if reasons else "ok"), reasons
+
+    def api_servers(self) -> dict[str, int] | None:
+        """Under --api-server-count N > 1: how many API processes serve, of N (the core's last stats)."""
+        if self.settings.api_server_count <= 1:
+            return None
+        return {"serving": self.engine.api_serving, "of": self.settings.api_server_count}
 
     @property
     def canary_meaningful(self) -> bool:

@@ -151,10 +151,11 @@ class EngineClient:
     """PagedEngine's serving surface over the engine core's socket (see the module's docstring)."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess | None, address: str, info: CoreInfo,
-                 model_context: int, on_death: Callable[[], None] | None = None) -> None:
+                 model_context: int, on_death: Callable[[], None] | None = None, api_servers: int = 1) -> None:
         """``process``: the core's process when this API process started it (and stops it);
         None for a further API process (``--api-server-count``), which watches the core's pid.
-        ``model_context``: the model's own context length (the API process's config)."""
+        ``model_context``: the model's own context length (the API process's config).
+        ``api_servers``: how many API processes feed the core (``--api-server-count``)."""
         self.process, self.address, self.info, self.model_context = process, address, info, model_context
         self.before_stop: list[Callable[[], None]] = []  # run first in ``stop`` (the other API processes)
         self._watch: int | None = None
@@ -175,6 +176,9 @@ class EngineClient:
         self.on_vision_seconds: Callable[[float], None] = lambda s: None
         self.on_handoff: Callable[[float, int], None] = lambda s, n: None
         self.encode_workers = RemoteEncodeWorkers()  # e_pd: the core's pool, as its stats last said
+        self.api_servers = api_servers
+        self.api_serving = 0  # API processes serving, as the core's stats last said
+        self.all_api_serving_seen = False  # every one of them was serving at least once
         self.dead: EngineUnavailable | None = None
         self._memory_report = info.memory_report
         self.memory_now: dict | None = info.memory_report.get("now")
@@ -248,6 +252,10 @@ class EngineClient:
                 with contextlib.suppress(OSError):
                     os.close(self._watch)
             self._watch = None
+
+    def announce_serving(self) -> None:
+        """Tell the core this process's start-up is done: it counts toward ``/health``'s readiness."""
+        self._send(("serving",))
 
     # ---- requests -------------------------------------------------------------------
     def check_fits(self, prompt: EncodedPrompt, params: SamplingParams) -> None:
@@ -357,6 +365,11 @@ class EngineClient:
             self.on_handoff(seconds, images)
         if "encode_workers" in stats:
             self.encode_workers.last = stats["encode_workers"]
+        self.api_serving = stats["api_serving"]
+        if self.api_serving >= self.api_servers and not self.all_api_serving_seen:
+            self.all_api_serving_seen = True
+            if self.api_servers > 1 and self.process is not None:  # logged once, by the first API process
+                log.info("all %d API processes are serving", self.api_servers)
 
     def _core_exited(self) -> None:
         """The core's process ended while serving: fail what is in flight, then stop the server."""

@@ -8,6 +8,8 @@ process does. An API process connects a DEALER socket and says hello (``("hello"
 core watches that pid and drops the process's requests in flight when it exits). It then gets
 ``("ready", CoreInfo)`` or ``("failed", error)``. After that:
 
+- ``("serving",)`` says its start-up (the canary) is done and it takes requests; the count of
+  such processes goes out with the stats, for ``/health`` under ``--api-server-count``.
 - ``("submit", sid, prompt, pixel_path, params, rid, want_first_logprobs, scoring)`` queues a
   request and is answered at once with ``("accepted", sid)``, or with ``("refused", sid, error)``
   (a 400 or a 429: before the API process starts the HTTP response). The request's events then
@@ -169,6 +171,7 @@ class CoreServer:
         self.engine = self.loaded = self.info = self.grammars = self.pool = None
         self.held: dict[tuple[bytes, int], Held] = {}
         self.peers: set[bytes] = set()
+        self.serving: set[bytes] = set()  # API processes done with their start-up (``/health``: ready)
         self._watched: dict[bytes, int] = {}  # an API process's socket identity -> a pidfd on it
         self._pending: collections.deque[tuple[bytes, tuple]] = collections.deque()
         self._scheduled = False
@@ -232,7 +235,8 @@ class CoreServer:
                      "cache_misses": engine.encoder_cache.misses, "oom_recoveries": engine.oom_recoveries,
                      "steps": engine.steps, "phase_seconds": dict(engine.phase_seconds), "vision_s": vision,
                      "handoff": handoff, "memory_now": engine.memory_now(),
-                     "kv_free_blocks": engine.block_manager.num_free}  # for /health's kv_free_share
+                     "kv_free_blocks": engine.block_manager.num_free,  # for /health's kv_free_share
+                     "api_serving": len(self.serving)}
             if self.pool is not None:  # e_pd: the encode workers, for /health
                 stats["encode_workers"] = {"status": self.pool.status(), "handoff": self.pool.handoff_summary()}
             for peer in self.peers:
@@ -279,6 +283,7 @@ class CoreServer:
             self._loop.remove_reader(fd)
             os.close(fd)
         self.peers.discard(peer)
+        self.serving.discard(peer)
         dropped = [key for key in self.held if key[0] == peer]
         for key in dropped:
             self.cancel(*key)
@@ -298,6 +303,8 @@ class CoreServer:
                         self.watch(peer, message[1])
                     if self.info is not None:
                         self.post(peer, ("ready", self.info))
+                elif kind == "serving":
+                    self.serving.add(peer)
                 elif kind == "submit":
                     self.submit(peer, *message[1:])
                 elif kind == "cancel":
