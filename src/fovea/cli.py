@@ -314,24 +314,32 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from fovea.gil import set_switch_interval
 
     set_switch_interval()  # the engine thread (here or in the core) and the loops hand the GIL over fast
-    metrics_dir = None
-    if settings.api_server_count > 1:  # each API process observes its own requests; /metrics shows the sums
-        from fovea.serve.api_servers import shared_metrics_dir
+    sockets, peers, start_peers = None, None, lambda address: None
+    if settings.api_server_count > 1:  # more API processes on this port, all feeding the one engine core
+        from fovea.serve.api_servers import ApiServers, port_socket, shared_metrics_dir
         from fovea.serve.metrics import share_between_processes
 
-        metrics_dir = shared_metrics_dir()
+        # The port first: a port that is taken is refused before the model loads, and before a
+        # further process (which binds it beside this one) could be mistaken for its holder.
+        sockets = [port_socket(settings.host, settings.port, first=True)]
+        metrics_dir = shared_metrics_dir()  # each process observes its own requests; /metrics shows the sums
         share_between_processes(str(metrics_dir))  # the further API processes inherit it
-    app = create_app(settings)
+
+        def start_peers(address: str) -> None:  # as soon as the core's process starts, beside its load
+            nonlocal peers
+            peers = ApiServers(settings, address, args.log_level, args.log_format, metrics_dir).start()
+
+    try:
+        app = create_app(settings, on_core_address=start_peers)
+    except BaseException:
+        if peers is not None:
+            peers.stop()
+        raise
     # log_config=None: keep fovea's handlers (fovea.logs), which carry the request ids.
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level=args.log_level.lower(), log_config=None, **uvicorn_options()))
     app.state.stop_server = lambda: setattr(server, "should_exit", True)  # a graceful stop (a dead engine core)
-    sockets = None
-    if settings.api_server_count > 1:  # more API processes on this port, all feeding the one engine core
-        from fovea.serve.api_servers import ApiServers, port_socket
-
-        sockets = [port_socket(settings.host, settings.port, first=True)]
-        peers = ApiServers(settings, app.state.core, args.log_level, args.log_format, metrics_dir).start()
+    if peers is not None:
         app.state.fovea.engine.before_stop.append(peers.stop)  # they stop (finishing their streams) first
     try:
         server.run(sockets=sockets)

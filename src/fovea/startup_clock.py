@@ -92,8 +92,9 @@ class StartupClock:
         report = self.report()
         parts = [f"{'>' * self.depth.get(name, 0)}{name} {seconds:.1f} s"
                  for name, seconds in report["phases"].items()]
-        rest = f"; imports and the rest {report['unaccounted_s']:.1f} s"
-        return f"start-up: ready after {report['ready_after_s']:.1f} s: " + ", ".join(parts) + rest
+        rest = f"imports and the rest {report['unaccounted_s']:.1f} s"
+        phases = ", ".join(parts) + "; " if parts else ""  # a further API process may time no phase
+        return f"start-up: ready after {report['ready_after_s']:.1f} s: {phases}{rest}"
 
 
 STARTUP = StartupClock()

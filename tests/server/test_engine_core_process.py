@@ -330,8 +330,9 @@ def test_two_api_processes_feed_one_core_and_one_dying_loses_nothing_else(tmp_pa
         health = httpx.get(base + "/health", timeout=10).json()
         assert health["api_servers"] == {"serving": 2, "of": 2} and health["status"] == "ok", health
         assert log.read_text().count("Application startup complete") == 2, log.read_text()[-3000:]
-        first, other = started_pids(log)[:2]
-        assert first == process.pid and other in children(process.pid)
+        first = process.pid  # the further process, started beside the core's load, may be ready before it
+        (other,) = set(started_pids(log)[:2]) - {first}
+        assert first in started_pids(log)[:2] and other in children(process.pid)
 
         def ask_many(count: int) -> list[str]:
             async def ask(i: int) -> str:

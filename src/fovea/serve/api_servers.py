@@ -1,7 +1,9 @@
 """``--api-server-count N``: N API processes on one port, all feeding one engine core.
 
-The first API process (the one ``fovea serve`` runs) starts the engine core, then starts N - 1
-more API processes. Each binds a socket of its own to the port with ``SO_REUSEPORT``, and the
+The first API process (the one ``fovea serve`` runs) binds the port, starts the engine core and,
+as soon as the core's process runs, N - 1 more API processes: they import and read the model
+beside the core's load, then wait for the core to be ready, so all N are ready at about the same
+time. Each binds a socket of its own to the port with ``SO_REUSEPORT``, and the
 kernel spreads new connections over the listening ones by a hash of their addresses. (One
 listening socket shared by all of them, which this module used before, let whichever process
 woke first take nearly every connection: 240 of 240 in a test.) A process listens only once its
@@ -44,7 +46,6 @@ import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any
 
 from fovea.config import ServerSettings
 from fovea.errors import FoveaError
@@ -71,8 +72,7 @@ def shared_metrics_dir() -> Path:
 @dataclass
 class ApiServerSpec:
     settings: ServerSettings
-    address: str  # the engine core's
-    info: Any  # its CoreInfo
+    address: str  # the engine core's (its info comes from the core once it is ready)
     index: int
     log_level: str
     log_format: str
@@ -107,6 +107,7 @@ def run_api_server(spec: ApiServerSpec) -> None:
     from fovea import logs
     from fovea.disagg.parent_watch import exit_with_parent
     from fovea.gil import set_switch_interval
+    from fovea.engine.process.client import wait_for_core
     from fovea.serve.app import create_app_attached
     from fovea.serve.http_protocol import uvicorn_options
 
@@ -114,7 +115,8 @@ def run_api_server(spec: ApiServerSpec) -> None:
     exit_with_parent()
     set_switch_interval()
     try:
-        app = create_app_attached(spec.settings, spec.address, spec.info)
+        info = wait_for_core(spec.address)  # started beside the core's load: waits for it to be ready
+        app = create_app_attached(spec.settings, spec.address, info)
     except FoveaError as exc:
         print(f"fovea: error: API process {spec.index}: {exc.message}", file=sys.stderr)
         sys.exit(2)
@@ -128,21 +130,21 @@ def run_api_server(spec: ApiServerSpec) -> None:
 class ApiServers:
     """The further API processes of one server: started, replaced when one dies, stopped."""
 
-    def __init__(self, settings: ServerSettings, core: tuple[str, Any], log_level: str, log_format: str,
+    def __init__(self, settings: ServerSettings, core_address: str, log_level: str, log_format: str,
                  metrics_dir: Path | None = None) -> None:
-        """``metrics_dir``: the shared metric values' directory, removed once they have all stopped."""
+        """``core_address``: the engine core's, which may still be starting (each process waits for
+        it); ``metrics_dir``: the shared metric values' directory, removed once they have all stopped."""
         if not hasattr(os, "pidfd_open"):
             raise FoveaError("--api-server-count above 1 needs Linux 5.3 or later (its API processes watch the "
                              "engine core through a pidfd)")
-        self.settings, (self.address, self.info) = settings, core
+        self.settings, self.address = settings, core_address
         self.log_level, self.log_format, self.metrics_dir = log_level, log_format, metrics_dir
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
 
     def _start_one(self, index: int) -> None:
-        spec = ApiServerSpec(self.settings, self.address, self.info, index, self.log_level,
-                             self.log_format)
+        spec = ApiServerSpec(self.settings, self.address, index, self.log_level, self.log_format)
         process = multiprocessing.get_context("spawn").Process(target=run_api_server, args=(spec,),
                                                                 name=f"fovea-api-{index}")
         process.start()

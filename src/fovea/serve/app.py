@@ -65,16 +65,18 @@ def check_fits_before_load(settings: ServerSettings) -> None:
                       free, settings.gpu_memory_utilization, settings.kv_cache_memory)
 
 
-def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> FastAPI:
+def create_app(settings: ServerSettings, loaded: LoadedModel | None = None,
+               on_core_address: Callable[[str], None] = lambda address: None) -> FastAPI:
     """The server, composed: the model (loaded and checked against its contract), the encode
     workers (e_pd), the engine, the canary's lifecycle and the routes. ``loaded`` lets tests share
     one loaded model between apps; it runs the engine in this process (``--engine-core thread``).
 
     With ``--engine-core process`` (and no ``loaded``) the model, the encode workers and the
     engine live in the engine core's process (``engine.process``), and this process holds the
-    model's structure alone (no weights) for its processor, templates and tokenizer."""
+    model's structure alone (no weights) for its processor, templates and tokenizer.
+    ``on_core_address`` is then given the core's address as soon as its process starts."""
     if settings.engine_core == "process" and loaded is None:
-        return create_app_with_core(settings)
+        return create_app_with_core(settings, on_core_address)
     loaded, contract = load_and_check(settings, loaded)
     metrics = engine_metrics(lambda: engine)
     config = engine_config(settings)
@@ -92,7 +94,8 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None) -> F
                    on_stop=pool.stop if pool is not None else lambda: None)
 
 
-def create_app_with_core(settings: ServerSettings) -> FastAPI:
+def create_app_with_core(settings: ServerSettings,
+                         on_core_address: Callable[[str], None] = lambda address: None) -> FastAPI:
     """``create_app`` with the engine core in its own process: it loads, checks and profiles while
     this process reads the model's structure; the routes then talk to it through ``EngineClient``.
     ``app.state.core`` is (its address, its info), for further API processes."""
@@ -105,7 +108,8 @@ def create_app_with_core(settings: ServerSettings) -> FastAPI:
         structure["loaded"] = load_model(settings.model, settings.device, settings.dtype, weights=False,
                                          load_format=settings.load_format)
 
-    process, address, info = start_core(settings, level, fmt, while_waiting=read_structure)
+    process, address, info = start_core(settings, level, fmt, while_waiting=read_structure,
+                                        on_address=on_core_address)
     STARTUP.merge(info.startup_seconds, info.startup_depth)
     loaded = structure["loaded"]
     return attach(settings, loaded, EngineClient(process, address, info, loaded.context_length,

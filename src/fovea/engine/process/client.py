@@ -392,16 +392,35 @@ class EngineClient:
 
 
 def start_core(settings, log_level: str = "info", log_format: str = "text", timeout_s: float = READY_TIMEOUT_S,
-               while_waiting: Callable[[], None] = lambda: None
+               while_waiting: Callable[[], None] = lambda: None,
+               on_address: Callable[[str], None] = lambda address: None,
                ) -> tuple[multiprocessing.process.BaseProcess, str, CoreInfo]:
     """Start the engine core's process and wait until it is ready: (process, address, its info).
-    ``while_waiting`` runs here meanwhile (the API process's own loading). Raises the core's own
-    refusal (a ``FoveaError`` such as a model that cannot load) when it cannot start."""
+    ``on_address`` is given the core's address as soon as its process starts (the further API
+    processes start then, beside the core's load); ``while_waiting`` runs here meanwhile (the API
+    process's own loading). Raises the core's own refusal (a ``FoveaError`` such as a model that
+    cannot load) when it cannot start."""
     address = f"ipc://{tempfile.gettempdir()}/fovea-core-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     process = multiprocessing.get_context("spawn").Process(
         target=core_main, args=(CoreSpec(settings, address, log_level, log_format),), name="fovea-engine-core",
         daemon=False)
     process.start()
+    try:
+        on_address(address)
+        return process, address, wait_for_core(address, timeout_s, process, while_waiting)
+    except BaseException:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=10)
+        raise
+
+
+def wait_for_core(address: str, timeout_s: float = READY_TIMEOUT_S,
+                  process: multiprocessing.process.BaseProcess | None = None,
+                  while_waiting: Callable[[], None] = lambda: None) -> CoreInfo:
+    """The core's info once it is ready: a hello from a socket of its own, then its answer (the core
+    answers hellos that come while it starts once it is ready). ``process``: the core's, when this
+    process started it (its exit is noticed); a further API process relies on its deadline."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -415,22 +434,19 @@ def start_core(settings, log_level: str = "info", log_format: str = "text", time
                 message = loads(sock.recv())
                 for one in message[1] if message[0] == "batch" else [message]:
                     if one[0] == "ready":
-                        return process, address, one[1]
+                        return one[1]
                     if one[0] == "failed":
-                        process.join(timeout=30)
+                        if process is not None:
+                            process.join(timeout=30)
                         raise one[1]
                 continue  # stats before ready: none are sent; anything else is ignored
-            if not process.is_alive():
+            if process is not None and not process.is_alive():
                 raise EngineUnavailable(f"the engine core exited with status {process.exitcode} while starting; "
                                         "its log above says why")
             if time.monotonic() > deadline:
-                process.kill()
+                if process is not None:
+                    process.kill()
                 raise EngineUnavailable(f"the engine core was not ready within {timeout_s:.0f} s")
-    except BaseException:
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=10)
-        raise
     finally:
         sock.close(linger=0)
         context.term()
