@@ -44,8 +44,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 from fovea.config import ServerSettings
 from fovea.errors import FoveaError
@@ -106,8 +106,8 @@ def run_api_server(spec: ApiServerSpec) -> None:
 
     from fovea import logs
     from fovea.disagg.parent_watch import exit_with_parent
-    from fovea.gil import set_switch_interval
     from fovea.engine.process.client import wait_for_core
+    from fovea.gil import set_switch_interval
     from fovea.serve.app import create_app_attached
     from fovea.serve.http_protocol import uvicorn_options
 
@@ -164,9 +164,9 @@ class ApiServers:
                 if process.is_alive() or self._stopping.is_set():
                     continue
                 code = process.exitcode
-                process_gone(process.pid)  # its canary's gauges leave the sums; its counts stay
                 if code == 1:  # it stopped because the engine core died: this process stops too
                     continue
+                process_gone(process.pid)  # its canary's gauges leave the sums; its counts stay
                 log.error("API process %d (pid %s) exited with status %s; its open connections are lost, the "
                           "others keep serving; starting another", index, process.pid, code)
                 time.sleep(RESTART_BACKOFF_S)

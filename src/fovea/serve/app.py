@@ -97,8 +97,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel | None = None,
 def create_app_with_core(settings: ServerSettings,
                          on_core_address: Callable[[str], None] = lambda address: None) -> FastAPI:
     """``create_app`` with the engine core in its own process: it loads, checks and profiles while
-    this process reads the model's structure; the routes then talk to it through ``EngineClient``.
-    ``app.state.core`` is (its address, its info), for further API processes."""
+    this process reads the model's structure; the routes then talk to it through ``EngineClient``."""
     from fovea.engine.process.client import EngineClient, start_core
 
     level, fmt = logs.configured()
@@ -145,7 +144,6 @@ def attach(settings: ServerSettings, loaded: LoadedModel, engine) -> FastAPI:
         engine.stop()
         raise
     engine.on_death = stop_server_on_death(app.state)
-    app.state.core = (engine.address, engine.info)
     return app
 
 
