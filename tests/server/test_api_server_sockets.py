@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import pytest
@@ -50,3 +51,24 @@ def test_further_processes_share_the_port_and_the_first_refuses_a_taken_one():
     finally:
         first.close()
         further.close()
+
+
+def test_the_shared_metrics_directory_is_refused_in_one_line_where_it_cannot_be_made(tmp_path, monkeypatch):
+    from fovea.serve.api_servers import shared_metrics_dir
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "missing"))
+    with pytest.raises(FoveaError, match="set TMPDIR to a writable directory"):
+        shared_metrics_dir()
+
+
+def test_the_shared_metrics_directory_is_new_and_dead_servers_ones_are_swept(tmp_path, monkeypatch):
+    from fovea.serve.api_servers import shared_metrics_dir
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    dead = tmp_path / "fovea-metrics-999999999-abc"  # no such process
+    dead.mkdir()
+    (dead / "counter_999999999.db").write_bytes(b"x")
+    made = shared_metrics_dir()
+    assert made.is_dir() and made.name.startswith(f"fovea-metrics-{os.getpid()}-") and not list(made.iterdir())
+    assert not dead.exists()
+    assert shared_metrics_dir() != made and made.exists()  # a live server's directory is kept

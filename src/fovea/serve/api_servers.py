@@ -66,7 +66,11 @@ def shared_metrics_dir() -> Path:
         owner = old.name.removeprefix(METRICS_PREFIX).split("-", 1)[0]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
             shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-", dir=root))
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-", dir=root))
+    except OSError as exc:
+        raise FoveaError(f"--api-server-count needs a directory for its shared metrics in {root}, and making "
+                         f"one failed: {exc.strerror}; set TMPDIR to a writable directory") from None
 
 
 @dataclass
