@@ -314,7 +314,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from fovea.gil import set_switch_interval
 
     set_switch_interval()  # the engine thread (here or in the core) and the loops hand the GIL over fast
-    sockets, peers, start_peers = None, None, lambda address: None
+    sockets, peers = None, None
     if settings.api_server_count > 1:  # more API processes on this port, all feeding the one engine core
         from fovea.serve.api_servers import ApiServers, port_socket, shared_metrics_dir
         from fovea.serve.metrics import share_between_processes
@@ -324,13 +324,9 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         sockets = [port_socket(settings.host, settings.port, first=True)]
         metrics_dir = shared_metrics_dir()  # each process observes its own requests; /metrics shows the sums
         share_between_processes(str(metrics_dir))  # the further API processes inherit it
-
-        def start_peers(address: str) -> None:  # as soon as the core's process starts, beside its load
-            nonlocal peers
-            peers = ApiServers(settings, address, args.log_level, args.log_format, metrics_dir).start()
-
-    try:
-        app = create_app(settings, on_core_address=start_peers)
+        peers = ApiServers(settings, args.log_level, args.log_format, metrics_dir)
+    try:  # the further API processes start as soon as the core's process does, beside its load
+        app = create_app(settings, on_core_address=peers.start if peers is not None else lambda address: None)
     except BaseException:
         if peers is not None:
             peers.stop()

@@ -134,14 +134,13 @@ def run_api_server(spec: ApiServerSpec) -> None:
 class ApiServers:
     """The further API processes of one server: started, replaced when one dies, stopped."""
 
-    def __init__(self, settings: ServerSettings, core_address: str, log_level: str, log_format: str,
+    def __init__(self, settings: ServerSettings, log_level: str, log_format: str,
                  metrics_dir: Path | None = None) -> None:
-        """``core_address``: the engine core's, which may still be starting (each process waits for
-        it); ``metrics_dir``: the shared metric values' directory, removed once they have all stopped."""
+        """``metrics_dir``: the shared metric values' directory, removed once they have all stopped."""
         if not hasattr(os, "pidfd_open"):
             raise FoveaError("--api-server-count above 1 needs Linux 5.3 or later (its API processes watch the "
                              "engine core through a pidfd)")
-        self.settings, self.address = settings, core_address
+        self.settings, self.address = settings, ""
         self.log_level, self.log_format, self.metrics_dir = log_level, log_format, metrics_dir
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
         self._stopping = threading.Event()
@@ -154,7 +153,9 @@ class ApiServers:
         process.start()
         self.processes[index] = process
 
-    def start(self) -> ApiServers:
+    def start(self, core_address: str) -> ApiServers:
+        """Start them, fed by the core at ``core_address``, which may still be starting (each waits)."""
+        self.address = core_address
         for index in range(1, self.settings.api_server_count):
             self._start_one(index)
         self._watcher = threading.Thread(target=self._watch, name="fovea-api-servers", daemon=True)

@@ -124,9 +124,10 @@ class Metrics:
                                "the last canary run (several API processes: the smallest)", registry=r,
                                multiprocess_mode="livemin")
         # What is rendered: this registry, or with shared values the files' sums, and the engine's own figures.
-        self.exposed = r if shared_directory() is None else CollectorRegistry()
-        if self.exposed is not r:
-            MultiProcessCollector(self.exposed, path=shared_directory())
+        directory = shared_directory()
+        self.exposed = r if directory is None else CollectorRegistry()
+        if directory is not None:
+            MultiProcessCollector(self.exposed, path=directory)
         for collector in (_QueueCollector(queue_depth), _CacheCollector(cache_counts),
                           _RecoveryCollector(oom_recoveries), _StepCollector(engine_steps)):
             self.exposed.register(collector)
