@@ -295,6 +295,8 @@ def main() -> int:
     parser.add_argument("--burst", type=int, default=256, help="requests in a burst (0: none)")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's (128000)")
+    parser.add_argument("--no-gemv", action="store_true",
+                        help="offline: no matrix-vector kernels among the quantized kernels' choices (the baseline)")
     serve = parser.add_argument_group("serve")
     serve.add_argument("--images", type=int, default=1, help="images per burst request")
     serve.add_argument("--burst-size", type=parse_size, default=(1280, 720), help="their size, WxH")
@@ -307,6 +309,12 @@ def main() -> int:
     for flag, given, known in (("--shapes", args.shapes, SHAPES), ("--formats", args.formats, FORMATS)):
         if unknown := set(given.split(",")) - set(known):
             parser.error(f"{flag}: {', '.join(sorted(unknown))} not among {', '.join(known)}")
+    if args.no_gemv:
+        if args.mode != "offline":
+            parser.error("--no-gemv changes this process's kernels: offline only")
+        from fovea.engine.kernels import quant_gemv
+
+        quant_gemv.GEMV_MAX_ROWS = 0  # candidates_for reads it on each choice
     bandwidth = math.nan
     if args.device == "cuda":
         bandwidth = copy_bandwidth()

@@ -9,7 +9,10 @@ dynamic per-token activation quantiser included. The int4 rows, old against new:
 - ``int4_dq``: the weight dequantised into one scratch buffer (``int4_dequantize``), then cuBLAS;
 - ``int4``: ``int4_linear`` as shipped: fused below ``INT4_DEQUANT_MIN_ROWS`` rows, int4_dq from it;
 - ``int4_dqk``: the dequantiser alone (its floor: 0.5 byte read and 2 written per weight);
-- ``fp8_quant``: the per-token activation quantiser alone (its time is inside every fp8 row).
+- ``fp8_quant``: the per-token activation quantiser alone (its time is inside every fp8 row);
+- ``fp8_mma`` / ``int4_mma``: the tensor-core kernels alone (fp8 with the quantiser's launch);
+- ``fp8_gemv`` / ``int4_gemv``: the matrix-vector kernels alone (``quant_gemv``; up to 4 rows);
+  ``fp8_triton`` and ``int4_fused`` are the shipped choice between the two.
 
     python3 bench/quant_matmul.py [--model 7b|72b|all] [--rows 1,8,64,128,256,1275,2048] [--reps 20]
                                   [--impls ...] [--no-check] [--sweep]
@@ -51,6 +54,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from fovea.engine.kernels import quant_gemv
 from fovea.engine.kernels import quant_matmul as qm
 from fovea.engine.kernels.fp8_quantize import quantize_per_token, quantize_per_token_group
 from fovea.testing.tolerance import eps, reduction_atol
@@ -61,8 +65,8 @@ FP8_TFLOPS = 1580.0  # twice bf16 (fp8 tensor-core rate), not measured here
 STREAMED_BYTES = 384 * 1024 * 1024  # weight bytes per graph: several times the L2
 GROUP = 128
 BLOCK = (128, 128)
-IMPLS = ("bf16", "fp8_scaled_mm", "fp8_triton", "fp8_block", "int4_old", "int4_fused", "int4_dq", "int4",
-         "int4_dqk", "fp8_quant")
+IMPLS = ("bf16", "fp8_scaled_mm", "fp8_triton", "fp8_mma", "fp8_gemv", "fp8_block", "int4_old", "int4_mma",
+         "int4_gemv", "int4_fused", "int4_dq", "int4", "int4_dqk", "fp8_quant")
 INT4 = tuple(i for i in IMPLS if i.startswith("int4"))
 
 MODELS = {  # name -> (layers, {linear: (N, K)})
@@ -142,11 +146,15 @@ def call(impl: str, x: torch.Tensor, wt: Weights, config=None):
         return F.linear(x, wt.w)
     if impl == "fp8_scaled_mm":
         return qm.fp8_linear(x, wt.fp8, wt.fp8_scale, impl="scaled_mm")
+    if impl in ("fp8_triton", "fp8_mma", "fp8_gemv") and config is not None:
+        return qm.fp8_triton(x, wt.fp8, wt.fp8_scale, None, x.dtype, config)
     if impl == "fp8_triton":
-        if config is not None:
-            xq, xs = quantize_per_token(x)
-            return qm.fp8_gemm(xq, xs, wt.fp8, wt.fp8_scale, None, x.dtype, config=config)
         return qm.fp8_linear(x, wt.fp8, wt.fp8_scale, impl="triton")
+    if impl in ("fp8_mma", "fp8_gemv"):
+        key = (f"{impl}-bench", qm._m_bucket(x.shape[0]), wt.fp8.shape[0], x.shape[1])
+        config = qm._choose(key, own_candidates(impl, x.shape[0]),
+                            lambda c: qm.fp8_triton(x, wt.fp8, wt.fp8_scale, None, x.dtype, c))
+        return qm.fp8_triton(x, wt.fp8, wt.fp8_scale, None, x.dtype, config)
     if impl == "fp8_block":
         return qm.fp8_block_linear(x, wt.fp8b, wt.fp8b_scale, BLOCK, config=config)
     n, k = wt.w.shape
@@ -154,13 +162,30 @@ def call(impl: str, x: torch.Tensor, wt: Weights, config=None):
         key = ("int4-shift", qm._m_bucket(x.shape[0]), n, k, GROUP, str(x.dtype), True)
         config = qm._choose(key, qm.int4_candidates(x.shape[0], GROUP, "shift"),
                             lambda c: qm.int4_gemm(x, wt.packed, wt.scales, wt.zeros, GROUP, None, c))
-    if impl in ("int4_old", "int4_fused"):
+    if impl in ("int4_mma", "int4_gemv") and config is None:
+        key = (f"{impl}-bench", qm._m_bucket(x.shape[0]), n, k)
+        config = qm._choose(key, own_candidates(impl, x.shape[0]),
+                            lambda c: qm.int4_fused(x, wt.packed, wt.scales, wt.zeros, GROUP, None, c))
+    if impl in ("int4_old", "int4_fused", "int4_mma", "int4_gemv"):
         return qm.int4_linear(x, wt.packed, wt.scales, wt.zeros, GROUP, config=config, impl="fused")
     if impl == "int4_dq":
         return qm.int4_linear(x, wt.packed, wt.scales, wt.zeros, GROUP, impl="dequant", scratch=scratch(n, k))
     if impl == "int4_dqk":
         return qm.int4_dequantize(wt.packed, wt.scales, wt.zeros, GROUP, scratch(n, k))
     return qm.int4_linear(x, wt.packed, wt.scales, wt.zeros, GROUP, config=config, scratch=scratch(n, k))
+
+
+def own_candidates(impl: str, rows: int) -> list:
+    """The configurations of one kernel alone (the tensor-core or the matrix-vector one)."""
+    if impl == "fp8_mma":
+        return qm.fp8_candidates(rows)
+    if impl == "int4_mma":
+        return qm.int4_candidates(rows, GROUP)
+    if rows > quant_gemv.GEMV_MAX_ROWS:
+        raise ValueError(f"the matrix-vector kernels take at most {quant_gemv.GEMV_MAX_ROWS} rows")
+    if impl == "fp8_gemv":
+        return quant_gemv.fp8_gemv_candidates(rows)
+    return quant_gemv.int4_gemv_candidates(rows, GROUP)
 
 
 def graph_time(fn, copies: int, reps: int) -> float:
@@ -285,16 +310,36 @@ def fp8_grid(rows: int) -> list[qm.GemmConfig]:
             for split in (0, 4, 8, 16)]
 
 
+def gemv_grid(impl: str, rows: int) -> list:
+    """Matrix-vector configurations beyond the candidates: tile widths, steps, splits and warps."""
+    if rows > quant_gemv.GEMV_MAX_ROWS:
+        return []
+    acc = 4096 // quant_gemv.next_pow2(rows)
+    if impl == "fp8_gemv":
+        return [quant_gemv.GemvConfig(bn, acc * warps // 4 // bn, split, warps)
+                for bn in (4, 8, 16, 32) for warps in (4, 8) for split in (1, 2, 4)]
+    return [quant_gemv.GemvConfig(bn, bp, split, warps)
+            for bn in (32, 64, 128) for bp in (8, 16) for warps in (2, 4) for split in (1, 2, 4)]
+
+
 def sweep(impl: str, x: torch.Tensor, wts: list[Weights], reps: int) -> None:
     rows = x.shape[0]
-    cands = qm.int4_candidates(rows, GROUP) if impl.startswith("int4") else qm.fp8_candidates(rows)
-    extra = [qm.GemmConfig(c.block_m, c.block_n, c.block_k, s, c.num_warps, c.num_stages)
-             for c in cands[:1] for s in (1, 2, 4, 8) if c.split_k == 0]
-    if impl == "fp8_triton":
-        extra = [c for c in fp8_grid(rows) if c not in cands] or extra
+    if impl.endswith("_gemv"):
+        cands, extra = own_candidates(impl, rows), gemv_grid(impl, rows)
+    else:
+        cands = qm.int4_candidates(rows, GROUP) if impl.startswith("int4") else qm.fp8_candidates(rows)
+        extra = [qm.GemmConfig(c.block_m, c.block_n, c.block_k, s, c.num_warps, c.num_stages)
+                 for c in cands[:1] for s in (1, 2, 4, 8) if c.split_k == 0]
+        if impl == "fp8_triton":
+            extra = [c for c in fp8_grid(rows) if c not in cands] or extra
+    extra = [c for c in extra if c not in cands]
     for c in cands + extra:
-        t = graph_time(lambda i, c=c: call("int4_fused" if impl.startswith("int4") else impl, x, wts[i], c),
-                       len(wts), reps)
+        try:
+            t = graph_time(lambda i, c=c: call("int4_fused" if impl.startswith("int4") else impl, x, wts[i], c),
+                           len(wts), reps)
+        except Exception as e:  # noqa: BLE001 - a configuration that cannot compile (resources)
+            print(f"      sweep {impl:<10} {c.describe():<28} raised {type(e).__name__}: {str(e)[:120]}")
+            continue
         print(f"      sweep {impl:<10} {c.describe():<28} {1e3 * t:8.4f} ms")
 
 
@@ -374,7 +419,7 @@ def main(argv=None) -> int:
                     floors[(model, rows, impl)] = floors.get((model, rows, impl), 0.0) + layers * floor
                     print(f"    {impl:<14} {1e3 * t:9.4f} ms  {wb / t / 1e12:6.2f} TB/s  {flops / t / 1e12:7.1f} TFLOP/s"
                           f"  floor {1e3 * floor:8.4f} ms ({100 * floor / t:5.1f}% of it)")
-                    if args.sweep and impl in ("int4_fused", "fp8_triton", "fp8_block"):
+                    if args.sweep and impl in ("int4_fused", "fp8_triton", "fp8_block", "fp8_gemv", "int4_gemv"):
                         sweep(impl, x, wts, args.reps)
                 chosen = {key: c.describe() for key, c in qm._CHOSEN.items() if key[1] == qm._m_bucket(rows)
                           and key[2] == n and key[3] == k}

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from fovea.engine.kernels import quant_matmul, triton_ops
+from fovea.engine.kernels import quant_gemv, quant_matmul, triton_ops
 from fovea.engine.memory import tuning_cache
 from fovea.engine.memory.tuning_cache import TuningCache, model_fingerprint
 
@@ -50,6 +50,7 @@ def test_another_key_gets_another_file_and_none_of_its_choices() -> None:
 FP8_KEY = ("fp8", 1, 4608, 3584, "torch.bfloat16")
 BLOCK_KEY = ("fp8-block", 8, 4608, 3584, "torch.bfloat16", 128, 128)
 INT4_KEY = ("int4", 256, 37888, 3584, 128, "torch.bfloat16", True)
+INT4_GEMV_KEY = ("int4", 2, 4608, 3584, 128, "torch.bfloat16", False)
 
 
 @pytest.mark.parametrize("tamper, why", [
@@ -125,7 +126,9 @@ def test_a_shape_met_where_nothing_can_be_timed_keeps_no_choice(monkeypatch) -> 
 
 def test_quantized_kernel_choices_round_trip_and_a_benchmarks_own_keys_stay_out() -> None:
     chosen = {FP8_KEY: quant_matmul.fp8_candidates(1)[2], BLOCK_KEY: quant_matmul.fp8_candidates(8)[1],
-              INT4_KEY: quant_matmul.int4_candidates(256, 128)[1]}
+              INT4_KEY: quant_matmul.int4_candidates(256, 128)[1],
+              # a matrix-vector kernel's choice comes back as its own kind of configuration
+              INT4_GEMV_KEY: quant_gemv.int4_gemv_candidates(2, 128)[3]}
     quant_matmul._CHOSEN.update(chosen)
     quant_matmul._CHOSEN[("int4-shift", 1, 8, 8, 128, "torch.bfloat16", True)] = quant_matmul.int4_candidates(1, 128)[0]
     triton_ops._GEMV_CHOICE[(1, 8, 8, "bfloat16")] = True
@@ -134,12 +137,17 @@ def test_quantized_kernel_choices_round_trip_and_a_benchmarks_own_keys_stay_out(
     assert not writer.save()  # saved once: a second save (after the decode graphs) only writes what is new
     quant_matmul._CHOSEN.clear()
     triton_ops._GEMV_CHOICE.clear()
-    assert TuningCache(KEY).load() == 4
+    assert TuningCache(KEY).load() == 5
     assert quant_matmul._CHOSEN == chosen
 
 
 def test_every_key_the_kernels_make_has_its_candidates() -> None:
-    assert quant_matmul.candidates_for(FP8_KEY) == quant_matmul.fp8_candidates(1)
+    # at most GEMV_MAX_ROWS rows the matrix-vector kernel's configurations are timed beside the tensor-core one's
+    assert quant_matmul.candidates_for(FP8_KEY) == quant_matmul.fp8_candidates(1) + quant_gemv.fp8_gemv_candidates(1)
+    assert quant_matmul.candidates_for(("fp8-mma", *FP8_KEY[1:])) == quant_matmul.fp8_candidates(1)
+    assert quant_matmul.candidates_for(INT4_GEMV_KEY) == (quant_matmul.int4_candidates(2, 128)
+                                                          + quant_gemv.int4_gemv_candidates(2, 128))
+    assert quant_matmul.candidates_for(("fp8", 8, 4608, 3584, "torch.bfloat16")) == quant_matmul.fp8_candidates(8)
     assert quant_matmul.candidates_for(BLOCK_KEY) == quant_matmul.fp8_candidates(8, 128)
     assert quant_matmul.candidates_for(("fp8-block", 1, 8, 8, "torch.bfloat16", 128, 96))[0].block_k == 32
     assert quant_matmul.candidates_for(INT4_KEY) == quant_matmul.int4_candidates(256, 128)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fovea.engine.kernels import quant_gemv
 from fovea.engine.kernels.fp8_quantize import (
     can_run_triton,
     interpreting,
@@ -441,22 +442,35 @@ def _splits(rows: int, n: int, k: int, config: GemmConfig, unit: int, sms: int) 
 
 # Choices made on first use of a shape, by timing (start-up makes them: memory.planner); the
 # tuning cache keeps them between starts. Keys (``candidates_for`` reads them):
-#   ("fp8", row bucket, N, K, out dtype), ("fp8-block", row bucket, N, K, out dtype, bn, bk),
-#   ("int4", row bucket, N, K, group, dtype, has zeros)
-_CHOSEN: dict[tuple, GemmConfig] = {}  # -> the fastest candidate
+#   ("fp8", row bucket, N, K, out dtype): the whole product from unquantised activations, the
+#       tensor-core kernel (with the quantiser's launch) or, for a few rows, the matrix-vector one;
+#   ("fp8-mma", ...): the same for the tensor-core kernel alone (``fp8_gemm`` without a config);
+#   ("fp8-block", row bucket, N, K, out dtype, bn, bk);
+#   ("int4", row bucket, N, K, group, dtype, has zeros) and ("int4-mma", ...): as fp8 and fp8-mma.
+Config = GemmConfig | quant_gemv.GemvConfig
+_CHOSEN: dict[tuple, Config] = {}  # -> the fastest candidate
 
 
-def candidates_for(key: tuple) -> list[GemmConfig]:
+def candidates_for(key: tuple) -> list[Config]:
     """The configurations timed for a choice ``key`` (``_CHOSEN``'s); ValueError for a key no
     kernel here makes."""
     kind, bucket = key[0], key[1]
-    if kind == "fp8" and len(key) == 5:
-        return fp8_candidates(bucket)
+    gemv = bucket <= quant_gemv.GEMV_MAX_ROWS
+    if kind in ("fp8", "fp8-mma") and len(key) == 5:
+        extra = quant_gemv.fp8_gemv_candidates(bucket) if gemv and kind == "fp8" else []
+        return fp8_candidates(bucket) + extra
     if kind == "fp8-block" and len(key) == 7:
         return fp8_candidates(bucket, _block_k_max(key[6]))
-    if kind == "int4" and len(key) == 7:
-        return int4_candidates(bucket, key[4])
+    if kind in ("int4", "int4-mma") and len(key) == 7:
+        extra = quant_gemv.int4_gemv_candidates(bucket, key[4]) if gemv and kind == "int4" else []
+        return int4_candidates(bucket, key[4]) + extra
     raise ValueError(f"not a quantized kernel's choice: {key!r}")
+
+
+def config_from_fields(fields: dict) -> Config:
+    """A configuration from its dataclass fields (the tuning cache's JSON)."""
+    kind = GemmConfig if "block_m" in fields else quant_gemv.GemvConfig
+    return kind(**fields)
 
 
 def _block_k_max(block_k: int | None) -> int:
@@ -464,7 +478,7 @@ def _block_k_max(block_k: int | None) -> int:
     return 128 if block_k is None else min(128, _pow2_divisor(128, block_k))
 
 
-def _choose(key: tuple, candidates: list[GemmConfig], launch) -> GemmConfig:
+def _choose(key: tuple, candidates: list[Config], launch) -> Config:
     config = _CHOSEN.get(key)
     if config is not None:
         return config
@@ -487,7 +501,8 @@ def _choose(key: tuple, candidates: list[GemmConfig], launch) -> GemmConfig:
     return _CHOSEN.setdefault(key, candidates[best])
 
 
-def _finish(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int) -> None:
+def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int) -> None:
+    """out = the sum of the float32 partials ws [splits, M, N] in a fixed order (+ bias), cast."""
     rows, n = out.shape
     block_n = 256
     _kernels()[2][(rows, -(-n // block_n))](ws, bias if bias is not None else out, out, n, splits, ws.stride(0),
@@ -511,7 +526,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: to
         weight = weight.contiguous()
     scale = scale.contiguous()
     if config is None:
-        key = ("fp8", _m_bucket(rows), n, k, str(out_dtype)) if block is None else \
+        key = ("fp8-mma", _m_bucket(rows), n, k, str(out_dtype)) if block is None else \
             ("fp8-block", _m_bucket(rows), n, k, str(out_dtype), int(block[0]), int(block[1]))
         config = _choose(key, candidates_for(key),
                          lambda c: fp8_gemm(xq, xs, weight, scale, bias, out_dtype, block, c))
@@ -533,7 +548,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: to
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=8,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if partial:
-        _finish(target, bias, out, splits)
+        sum_splits(target, bias, out, splits)
     return out
 
 
@@ -592,17 +607,32 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     impl = impl or _fp8_impl(x2, weight, scale, bias, out_dtype)
     if impl not in FP8_IMPLS:
         raise ValueError(f"impl must be one of {FP8_IMPLS}, got {impl!r}")
+    if impl == "triton":
+        return fp8_triton(x2, weight, scale.reshape(-1).contiguous(), bias, out_dtype).reshape(*lead, weight.shape[0])
     xq, xs = quantize_per_token(x2)
     if impl == "scaled_mm":
         y = _scaled_mm(xq, xs, weight, scale, bias, out_dtype)
-    elif impl == "triton":
-        y = fp8_gemm(xq, xs, weight, scale.reshape(-1).contiguous(), bias, out_dtype)
     else:
         y = (xq.float() @ weight.float().t()) * xs * scale.float().reshape(1, -1)
         if bias is not None:
             y = y + bias.float()
         y = y.to(out_dtype)
     return y.reshape(*lead, weight.shape[0])
+
+
+def fp8_triton(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               out_dtype: torch.dtype, config: Config | None = None) -> torch.Tensor:
+    """The Triton FP8 product of x2 [M, K] (unquantised): the choice of key ("fp8", ...) between the
+    quantiser followed by the tensor-core kernel and, for at most ``GEMV_MAX_ROWS`` rows, the
+    matrix-vector kernel that quantises inside (one launch), each timed whole."""
+    if config is None:
+        rows, k = x2.shape
+        key = ("fp8", _m_bucket(rows), weight.shape[0], k, str(out_dtype))
+        config = _choose(key, candidates_for(key), lambda c: fp8_triton(x2, weight, scale, bias, out_dtype, c))
+    if isinstance(config, quant_gemv.GemvConfig):
+        return quant_gemv.fp8_gemv(x2, weight, scale, bias, out_dtype, config)
+    xq, xs = quantize_per_token(x2)
+    return fp8_gemm(xq, xs, weight, scale, bias, out_dtype, config=config)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -652,7 +682,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
     if packed.stride(1) != 1 or scales.stride(1) != 1 or (zeros is not None and zeros.stride(1) != 1):
         raise ValueError("packed, scales and zeros must be contiguous along N")
     if config is None:
-        key = ("int4", _m_bucket(rows), n, k, group, str(x.dtype), zeros is not None)
+        key = ("int4-mma", _m_bucket(rows), n, k, group, str(x.dtype), zeros is not None)
         config = _choose(key, candidates_for(key), lambda c: int4_gemm(x, packed, scales, zeros, group, bias, c))
     if group % config.block_k or config.block_k < 16 or config.block_k % 8:
         raise ValueError(f"block_k {config.block_k} must be >= 16 and divide the group {group}")
@@ -676,8 +706,22 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
         PER_NIBBLE=config.per_nibble, FOLD=config.fold and config.magic and x.dtype != torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if partial:
-        _finish(target, bias, out, splits)
+        sum_splits(target, bias, out, splits)
     return out
+
+
+def int4_fused(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+               bias: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+    """The int4 product in one Triton kernel (and a second summing K splits): the choice of key
+    ("int4", ...) between the tensor-core kernel and, for at most ``GEMV_MAX_ROWS`` rows, the
+    matrix-vector one."""
+    if config is None:
+        rows, k = x.shape
+        key = ("int4", _m_bucket(rows), packed.shape[1], k, group, str(x.dtype), zeros is not None)
+        config = _choose(key, candidates_for(key), lambda c: int4_fused(x, packed, scales, zeros, group, bias, c))
+    if isinstance(config, quant_gemv.GemvConfig):
+        return quant_gemv.int4_gemv(x, packed, scales, zeros, group, bias, config)
+    return int4_gemm(x, packed, scales, zeros, group, bias, config)
 
 
 # dtype -> (bits, value) of the float whose last mantissa bit is 1: bits | q is the float value + q
@@ -726,7 +770,7 @@ def _int4_impl(x2: torch.Tensor, group: int, scratch: torch.Tensor | None) -> st
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                group: int, bias: torch.Tensor | None = None, *, config: GemmConfig | None = None,
+                group: int, bias: torch.Tensor | None = None, *, config: Config | None = None,
                 impl: str | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T (+ bias) for a packed int4 weight: x [..., K] (bf16/fp16/fp32), ``packed`` int32
     [K // 8, N], ``scales`` and ``zeros`` (or None: symmetric, zero 8) [K // group, N] in x's dtype;
@@ -747,7 +791,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     if impl not in INT4_IMPLS:
         raise ValueError(f"impl must be one of {INT4_IMPLS}, got {impl!r}")
     if impl == "fused":
-        y = int4_gemm(x2, packed, scales, zeros, group, bias, config)
+        y = int4_fused(x2, packed, scales, zeros, group, bias, config)
     elif impl == "dequant":
         buffer = scratch if scratch is not None else torch.empty((k, n), dtype=x.dtype, device=x.device)
         w = int4_dequantize(packed, scales, zeros, group, buffer)

@@ -36,7 +36,7 @@ from fovea.engine.kernels import quant_matmul, triton_ops
 
 log = logging.getLogger("fovea.engine.paged")
 
-FORMAT = 2  # 2: the quantized kernels' choices ("quant_choice") too
+FORMAT = 3  # 2: the quantized kernels' choices ("quant_choice") too; 3: matrix-vector candidates among them
 
 
 def enabled() -> bool:
@@ -83,10 +83,10 @@ def _quant_key(text: str) -> tuple:
     return tuple(key)
 
 
-def _quant_config(fields: object) -> quant_matmul.GemmConfig:
+def _quant_config(fields: object) -> quant_matmul.Config:
     if not isinstance(fields, dict):
         raise TypeError(f"{fields!r} is not a configuration")
-    return quant_matmul.GemmConfig(**fields)
+    return quant_matmul.config_from_fields(fields)
 
 
 def parse(data: object, key: dict[str, str]) -> tuple[dict, dict, dict] | str:

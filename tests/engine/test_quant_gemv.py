@@ -1,0 +1,116 @@
+"""The matrix-vector kernels for quantised weights (``quant_gemv``: decode, 1-4 rows) against the
+references of ``test_quant_kernels`` (the weight layouts' definitions, torch's FP8 cast), and their
+place among the kernel choices. Runs where triton imports and either CUDA is present or
+TRITON_INTERPRET=1 (``test_kernels_interpreted`` runs this file in the CPU interpreter)."""
+
+import pytest
+import torch
+from kernel_helpers import needs_triton
+from test_quant_kernels import FP8, make_int4, rand, torch_quant
+
+from fovea.testing.tolerance import assert_close_for
+
+
+def fp8_weight(n, k, seed):
+    w = rand(n, k, seed=seed, scale=0.05)
+    scale = (w.abs().amax(dim=1) / 448.0).float()
+    return (w / scale[:, None]).to(FP8), scale
+
+
+@needs_triton
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_fp8_gemv_quantises_inside_and_equals_the_quantised_product(rows, out_dtype):
+    """Per-token quantisation inside the kernel is torch's cast bit for bit, so the product equals
+    the float32 product of torch's quantised activations and the dequantised weight, up to float32
+    sums; N and K not multiples of the tiles, split over K and not, with a bias."""
+    from fovea.engine.kernels.quant_gemv import GemvConfig, fp8_gemv
+
+    n, k = 50, 200
+    weight, scale = fp8_weight(n, k, seed=1)
+    x = rand(rows, k, seed=2 + rows, dtype=torch.bfloat16)
+    x[0, 7] = 30.0  # one large value sets row 0's scale: the other columns quantise coarsely
+    bias = rand(n, seed=9, dtype=torch.bfloat16)
+    xq, xs = torch_quant(x, k)
+    exact = (xq.float() @ weight.float().t()) * xs * scale[None, :]
+    for config, with_bias in ((GemvConfig(16, 64), False), (GemvConfig(8, 32, split_k=3), True)):
+        y = fp8_gemv(x, weight, scale, bias if with_bias else None, out_dtype, config)
+        ref = exact + (bias.float() if with_bias else 0)
+        assert y.dtype == out_dtype and y.shape == (rows, n)
+        assert_close_for(y.float(), ref, torch.float32, k, storage=out_dtype if out_dtype != torch.float32 else None)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("with_zeros", [True, False])
+def test_int4_gemv_equals_the_dequantised_product(dtype, with_zeros):
+    """bf16/fp16 take the zero points off once per group (the codes as 128 + q); float32 off each
+    weight. Rows 1 and 3, group 64 and 128, split over K, N not a multiple of the tile, a bias."""
+    from fovea.engine.kernels.quant_gemv import GemvConfig, int4_gemv
+
+    n, k = 40, 512
+    for group, rows, config in ((128, 1, GemvConfig(32, 16)), (64, 3, GemvConfig(16, 4, split_k=3))):
+        packed, scales, zeros, w = make_int4(k, n, group, seed=20 + group, with_zeros=with_zeros, dtype=dtype)
+        x = rand(rows, k, seed=21 + rows, dtype=dtype)
+        bias = rand(n, seed=23, dtype=dtype) if rows > 1 else None
+        y = int4_gemv(x, packed, scales, zeros, group, bias, config)
+        ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        assert_close_for(y.float(), ref, torch.float32, k, storage=dtype if dtype != torch.float32 else None)
+
+
+@needs_triton
+def test_the_kernels_refuse_what_they_do_not_take():
+    from fovea.engine.kernels.quant_gemv import GEMV_MAX_ROWS, GemvConfig, fp8_gemv, int4_gemv
+
+    weight, scale = fp8_weight(16, 64, seed=3)
+    with pytest.raises(ValueError, match="at most"):
+        fp8_gemv(rand(GEMV_MAX_ROWS + 1, 64, seed=4), weight, scale, None, torch.float32, GemvConfig(16, 64))
+    packed, scales, zeros, _ = make_int4(64, 16, 32, seed=5, with_zeros=True, dtype=torch.float32)
+    with pytest.raises(ValueError, match="divide"):
+        int4_gemv(rand(1, 64, seed=6), packed, scales, zeros, 32, None, GemvConfig(16, 8))  # 8 rows > 4 a group
+
+
+def test_the_choice_offers_the_matrix_vector_kernels_for_few_rows_only():
+    from fovea.engine.kernels import quant_gemv
+    from fovea.engine.kernels import quant_matmul as qm
+
+    for rows in (1, 2, 4):
+        fp8 = qm.candidates_for(("fp8", rows, 64, 64, "torch.bfloat16"))
+        int4 = qm.candidates_for(("int4", rows, 64, 256, 128, "torch.bfloat16", True))
+        assert any(isinstance(c, quant_gemv.GemvConfig) for c in fp8)
+        assert any(isinstance(c, quant_gemv.GemvConfig) for c in int4)
+        assert all((128 // 8) % c.block_k == 0 for c in int4 if isinstance(c, quant_gemv.GemvConfig))
+        # the default (first, used where nothing can be timed) stays the tensor-core kernel
+        assert isinstance(fp8[0], qm.GemmConfig) and isinstance(int4[0], qm.GemmConfig)
+    for key in (("fp8", 8, 64, 64, "torch.bfloat16"), ("fp8-mma", 1, 64, 64, "torch.bfloat16"),
+                ("int4", 8, 64, 256, 128, "torch.bfloat16", True), ("int4-mma", 1, 64, 256, 128, "torch.bfloat16", True)):
+        assert not any(isinstance(c, quant_gemv.GemvConfig) for c in qm.candidates_for(key))
+    assert qm.config_from_fields({"block_n": 16, "block_k": 64}) == quant_gemv.GemvConfig(16, 64)
+    assert qm.config_from_fields({"block_m": 16, "block_n": 64, "block_k": 128}) == qm.GemmConfig(16, 64, 128)
+
+
+@needs_triton
+def test_a_chosen_matrix_vector_configuration_runs_the_matrix_vector_kernel(monkeypatch):
+    """fp8_linear and int4_linear run whichever kernel the choice holds for the shape."""
+    from fovea.engine.kernels import quant_gemv
+    from fovea.engine.kernels import quant_matmul as qm
+
+    ran = []
+    for name in ("fp8_gemv", "int4_gemv"):
+        real = getattr(quant_gemv, name)
+        monkeypatch.setattr(quant_gemv, name, lambda *a, real=real, name=name: ran.append(name) or real(*a))
+    monkeypatch.setattr(qm, "_CHOSEN", {})
+    weight, scale = fp8_weight(24, 64, seed=7)
+    x = rand(2, 64, seed=8, dtype=torch.bfloat16)
+    qm._CHOSEN[("fp8", 2, 24, 64, "torch.bfloat16")] = quant_gemv.GemvConfig(8, 32)
+    y = qm.fp8_linear(x, weight, scale, impl="triton")
+    xq, xs = torch_quant(x, 64)
+    assert_close_for(y.float(), (xq.float() @ weight.float().t()) * xs * scale, torch.float32, 64,
+                     storage=torch.bfloat16)
+    packed, scales, zeros, w = make_int4(128, 24, 64, seed=9, with_zeros=True, dtype=torch.bfloat16)
+    xi = rand(1, 128, seed=10, dtype=torch.bfloat16)
+    qm._CHOSEN[("int4", 1, 24, 128, 64, "torch.bfloat16", True)] = quant_gemv.GemvConfig(16, 8)
+    yi = qm.int4_linear(xi, packed, scales, zeros, 64, impl="fused")
+    assert_close_for(yi.float(), xi.float() @ w.t(), torch.float32, 128, storage=torch.bfloat16)
+    assert ran == ["fp8_gemv", "int4_gemv"]
