@@ -394,6 +394,41 @@ def test_two_api_processes_feed_one_core_and_one_dying_loses_nothing_else(tmp_pa
         process.wait(timeout=30)
 
 
+@NEEDS_PROC
+def test_every_api_process_checks_the_api_key(tmp_path):
+    """--api-key with --api-server-count 2: whichever process takes a connection refuses a request
+    without the key (401, invalid_api_key) and answers one with it."""
+    log = tmp_path / "server.log"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--device", "cpu", "--port", str(port),
+                                    "--no-canary", "--api-server-count", "2", "--api-key", "sesame"], cwd=ROOT,
+                                   stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1, "temperature": 0}
+    try:
+        wait_ready(process, base)  # /health is open: load balancers probe it without credentials
+        for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 401),
+                                ({"Authorization": "Bearer sesame"}, 200)):
+            what = f"POST /v1/chat/completions {status}"
+            tries = 0
+            while min(served_by(log, what)) == 0 and tries < 120:
+                reply = httpx.post(base + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+                assert reply.status_code == status, reply.text[:300]
+                if status == 401:
+                    assert reply.json()["error"]["code"] == "invalid_api_key"
+                tries += 1
+            assert min(served_by(log, what)) > 0, f"one API process took every {what}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+
+
 def test_more_api_processes_need_the_engine_core_in_its_own_process():
     out = subprocess.run([sys.executable, "-m", "fovea.cli", "serve", "--engine-core", "thread",
                           "--api-server-count", "2", "--port", str(free_port())], cwd=ROOT, capture_output=True,
