@@ -21,9 +21,10 @@ def fp8_weight(n, k, seed):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 3, 4])
 def test_fp8_gemv_quantises_inside_and_equals_the_quantised_product(rows, out_dtype):
-    """Per-token quantisation inside the kernel is torch's cast bit for bit, so the product equals
-    the float32 product of torch's quantised activations and the dequantised weight, up to float32
-    sums; N and K not multiples of the tiles, split over K and not, with a bias."""
+    """Per-token quantisation (the quantiser's launch, or inside the kernel) is torch's cast bit for
+    bit, so the product equals the float32 product of torch's quantised activations and the
+    dequantised weight, up to float32 sums; N and K not multiples of the tiles, split over K and
+    not, with a bias."""
     from fovea.engine.kernels.quant_gemv import GemvConfig, fp8_gemv
 
     n, k = 50, 200
@@ -33,7 +34,9 @@ def test_fp8_gemv_quantises_inside_and_equals_the_quantised_product(rows, out_dt
     bias = rand(n, seed=9, dtype=torch.bfloat16)
     xq, xs = torch_quant(x, k)
     exact = (xq.float() @ weight.float().t()) * xs * scale[None, :]
-    for config, with_bias in ((GemvConfig(16, 64), False), (GemvConfig(8, 32, split_k=3), True)):
+    for config, with_bias in ((GemvConfig(16, 64), False), (GemvConfig(8, 32, split_k=3), True),
+                              (GemvConfig(16, 64, quantize=True), False),
+                              (GemvConfig(8, 32, split_k=3, quantize=True), True)):
         y = fp8_gemv(x, weight, scale, bias if with_bias else None, out_dtype, config)
         ref = exact + (bias.float() if with_bias else 0)
         assert y.dtype == out_dtype and y.shape == (rows, n)

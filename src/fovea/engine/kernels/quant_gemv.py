@@ -1,15 +1,17 @@
-"""Matrix-vector products with quantised weights for decode (1-4 rows): FP8 per channel with the
-activations quantised per token inside the kernel, and 4-bit integers with group scales (W4A16).
-Same layouts and semantics as ``quant_matmul``'s kernels (its docstring), other arithmetic:
+"""Matrix-vector products with quantised weights for decode (1-4 rows): FP8 per channel with
+dynamic per-token activations, and 4-bit integers with group scales (W4A16). Same layouts and
+semantics as ``quant_matmul``'s kernels (its docstring), other arithmetic:
 
 - no matrix instructions: a program holds ``BLOCK_N`` output columns and multiplies-and-adds its
-  weights in float32 registers while they stream in; one launch per product, or two where the
-  K dimension is split (float32 partials summed in a fixed order by ``quant_matmul``'s second
-  kernel). At one row a tensor-core tile pads the row to 16 and converts the weight through shared
-  memory; here the weight goes from memory to a multiply-add in registers.
-- FP8: every program computes its rows' absolute maxima (the per-token scale) from the whole row
-  of x, then quantises x with ``fp8_rounding.quantize_e4m3`` as ``fp8_quantize`` does, bit for bit:
-  the quantiser's launch goes. The products of two e4m3 values are exact in float32.
+  weights in float32 registers while they stream in; one launch per product (FP8: after the
+  quantiser's, unless it quantises inside), one more where K is split (float32 partials summed in
+  a fixed order by ``quant_matmul.sum_splits``). At one row a tensor-core tile pads the row to 16
+  and moves the weight through shared memory; here the weight goes from memory to a
+  multiply-add in registers.
+- FP8: the activations quantised per token by ``fp8_quantize``'s launch, or (a candidate) inside:
+  every program computes its rows' absolute maxima from the whole row of x, then quantises x with
+  ``fp8_rounding.quantize_e4m3`` as ``fp8_quantize`` does, bit for bit. The products of two e4m3
+  values are exact in float32.
 - int4 (bf16/fp16 activations): a code q becomes the float32 128 + q from its bits ((q << 16) |
   0x43000000; no conversion instruction), multiplied by x exactly (8 + 8 or 11 + 8 significant bits)
   and summed over the group; the zero point is taken off once per group and column as
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fovea.engine.kernels.fp8_quantize import MIN_SCALE, rounding_helpers
+from fovea.engine.kernels.fp8_quantize import MIN_SCALE, quantize_per_token, rounding_helpers
 from fovea.engine.kernels.triton_util import next_pow2
 
 GEMV_MAX_ROWS = 4  # products of at most this many rows may take these kernels
@@ -44,9 +46,11 @@ class GemvConfig:
     block_k: int  # FP8: weight columns per step; int4: packed rows (8 weights each) per step
     split_k: int = 1  # programs along K (partials summed by a second launch)
     num_warps: int = 4
+    quantize: bool = False  # FP8: the activations quantised inside the kernel, not by the quantiser's launch
 
     def describe(self) -> str:
-        return f"gemv {self.block_n}x{self.block_k} split={self.split_k} w{self.num_warps}"
+        inside = " quantize" if self.quantize else ""
+        return f"gemv {self.block_n}x{self.block_k} split={self.split_k} w{self.num_warps}{inside}"
 
 
 @functools.cache
@@ -58,10 +62,12 @@ def _kernels():
     quantize_e4m3, token_scale = rounding_helpers()
 
     @triton.jit
-    def fp8_gemv_kernel(X, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_wn, stride_cs, stride_cm, min_scale,
-                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_wn, stride_cs, stride_cm,
+                        min_scale, QUANTIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
         # C[m, n] = sum_k e4m3(x[m, k] / s[m]) W[n, k] * s[m] * ws[n], s[m] the row's dynamic scale.
+        # QUANTIZE: x unquantised, quantised here (each thread quantises the columns it multiplies, for
+        # each of its rows of W); else x is already e4m3 with its scales in XS [M, 1].
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         offs_r = tl.arange(0, ROWS)
@@ -70,13 +76,15 @@ def _kernels():
         r_ok = offs_r < M
         n_ok = offs_n < N
         x_rows = X + offs_r.to(tl.int64)[:, None] * stride_xm
-        # every program needs the whole row's maximum (x is small and read from L2)
-        amax = tl.zeros([ROWS, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ok = r_ok[:, None] & ((k0 + offs_k) < K)[None, :]
-            x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=ok, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = token_scale(tl.max(amax, axis=1), min_scale)
+        if QUANTIZE:  # every program needs the whole row's maximum (x is small and read from L2)
+            amax = tl.zeros([ROWS, BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ok = r_ok[:, None] & ((k0 + offs_k) < K)[None, :]
+                x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=ok, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(x))
+            scale = token_scale(tl.max(amax, axis=1), min_scale)
+        else:
+            scale = tl.load(XS + offs_r, mask=r_ok, other=0.0)
         k_start = split * k_split
         k_end = tl.minimum(k_start + k_split, K)
         w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
@@ -89,7 +97,10 @@ def _kernels():
                 k_ok = (k0 + offs_k) < k_end
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
                 x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            xq = quantize_e4m3(x.to(tl.float32), scale[:, None])
+            if QUANTIZE:
+                xq = quantize_e4m3(x.to(tl.float32), scale[:, None])
+            else:
+                xq = x.to(tl.float32)
             acc += w.to(tl.float32)[None, :, :] * xq[:, None, :]
             w_ptrs += BLOCK_K
         ws = tl.load(WS + offs_n, mask=n_ok, other=0.0)
@@ -168,8 +179,12 @@ def fp8_gemv_candidates(rows: int) -> list[GemvConfig]:
     """FP8 configurations timed for ``rows`` (<= GEMV_MAX_ROWS) rows; the first is the default.
     Registers: rows * block_n * block_k / (32 * warps) float32 accumulators a thread."""
     per_row = 4096 // next_pow2(rows)  # accumulators of a 4-warp program
+    # Quantising inside costs each thread ~20 instructions per column it holds, repeated for every
+    # row of W it holds beside it (2 in these tiles): ~10 per weight against ~3 for the product, so
+    # the quantiser's own launch comes first and one in-kernel candidate (a wide tile) is timed too.
     return [GemvConfig(16, per_row // 16), GemvConfig(8, per_row // 8), GemvConfig(32, per_row // 16, 1, 8),
-            GemvConfig(16, per_row // 16, 2), GemvConfig(8, per_row // 8, 2), GemvConfig(4, per_row // 4)]
+            GemvConfig(16, per_row // 16, 2), GemvConfig(8, per_row // 8, 2),
+            GemvConfig(64, per_row // 64, 1, 4, quantize=True)]
 
 
 def int4_gemv_candidates(rows: int, group: int) -> list[GemvConfig]:
@@ -210,7 +225,8 @@ def _finish(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
              out_dtype: torch.dtype, config: GemvConfig) -> torch.Tensor:
     """quant(x) @ W^T (+ bias) for x [M, K] (M <= GEMV_MAX_ROWS, bf16/fp16/fp32, quantised per token
-    here), ``weight`` fp8 [N, K] K-contiguous, ``scale`` float32 [N]. Returns [M, N] in out_dtype."""
+    by ``fp8_quantize``'s kernel first, or inside with ``config.quantize``), ``weight`` fp8 [N, K]
+    K-contiguous, ``scale`` float32 [N]. Returns [M, N] in out_dtype."""
     rows, k = x.shape
     n = weight.shape[0]
     if rows > GEMV_MAX_ROWS:
@@ -223,9 +239,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     splits, per = _split(k, config.block_k, config.split_k)
     target = _target(splits, out)
     grid = (-(-n // config.block_n), splits)
-    _kernels()[0][grid](x, weight, scale, target, bias if bias is not None else out, rows, n, k, per, x.stride(0),
-                        weight.stride(0), target.stride(0) if splits > 1 else 0, target.stride(-2), MIN_SCALE,
-                        ROWS=next_pow2(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+    xs = out  # (unused when quantising inside)
+    if not config.quantize:
+        x, xs = quantize_per_token(x)
+    _kernels()[0][grid](x, xs, weight, scale, target, bias if bias is not None else out, rows, n, k, per,
+                        x.stride(0), weight.stride(0), target.stride(0) if splits > 1 else 0, target.stride(-2),
+                        MIN_SCALE, QUANTIZE=config.quantize, ROWS=next_pow2(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                         EVEN_K=k % config.block_k == 0 and per % config.block_k == 0,
                         HAS_BIAS=bias is not None, PARTIAL=splits > 1, num_warps=config.num_warps)
     _finish(target, bias, out, splits)

@@ -28,6 +28,10 @@ What runs where:
   Triton kernel into a scratch buffer the caller holds (one for all layers), then torch's matmul.
   Without a kernel: the weight dequantised in float32, then one product.
 
+For at most ``quant_gemv.GEMV_MAX_ROWS`` rows (decode) the FP8 and int4 choices also time
+``quant_gemv``'s matrix-vector kernels (no matrix instructions; FP8 quantises its activations
+inside, one launch), each product timed whole, and keep whichever is faster per shape.
+
 Launch configurations are chosen per (kind, row bucket, N, K, group, dtype) on first use on a GPU by
 timing a few candidates (``AUTOTUNE``); under the interpreter or a graph capture the first candidate
 is used and not kept. Every launch is capturable in a CUDA graph: no host syncs, buffers from
