@@ -37,7 +37,7 @@ from fovea.engine.kernels.triton_util import next_pow2
 GEMV_MAX_ROWS = 4  # products of at most this many rows may take these kernels
 MAX_SPLIT_K = 8
 
-quantize_e4m3 = token_scale = None  # bound by _kernels() (rounding_helpers)
+quantize_e4m3 = token_scale = store_tile = None  # bound by _kernels() (rounding_helpers, epilogue)
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,11 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    global quantize_e4m3, token_scale
+    from fovea.engine.kernels import epilogue
+
+    global quantize_e4m3, token_scale, store_tile
     quantize_e4m3, token_scale = rounding_helpers()
+    store_tile = epilogue.store_tile
 
     @triton.jit
     def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_wn, stride_cs, stride_cm,
@@ -107,12 +110,7 @@ def _kernels():
         y = tl.sum(acc, axis=2) * scale[:, None] * ws[None, :]
         c_ptrs = offs_r.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         c_ok = r_ok[:, None] & n_ok[None, :]
-        if PARTIAL:
-            tl.store(C + split.to(tl.int64) * stride_cs + c_ptrs, y, mask=c_ok)
-        else:
-            if HAS_BIAS:
-                y += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(C + c_ptrs, y.to(C.dtype.element_ty), mask=c_ok)
+        store_tile(C, BIAS, y, c_ptrs, c_ok, offs_n, n_ok, split, stride_cs, HAS_BIAS, PARTIAL)
 
     @triton.jit
     def int4_gemv_kernel(X, P, S, Z, C, BIAS, M, N, K, k_split, stride_xm, stride_pk, stride_sk, stride_zk,
@@ -165,12 +163,7 @@ def _kernels():
             acc += r * s[None, :]
         c_ptrs = offs_r.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         c_ok = r_ok[:, None] & n_ok[None, :]
-        if PARTIAL:
-            tl.store(C + split.to(tl.int64) * stride_cs + c_ptrs, acc, mask=c_ok)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(C + c_ptrs, acc.to(C.dtype.element_ty), mask=c_ok)
+        store_tile(C, BIAS, acc, c_ptrs, c_ok, offs_n, n_ok, split, stride_cs, HAS_BIAS, PARTIAL)
 
     return fp8_gemv_kernel, int4_gemv_kernel
 

@@ -133,10 +133,18 @@ def _cannot_time() -> bool:
     return not AUTOTUNE or interpreting() or torch.cuda.is_current_stream_capturing()
 
 
+store_tile = None  # bound by _kernels() (epilogue: a helper the interpreter finds in this module's globals)
+
+
 @functools.cache
 def _kernels():
     import triton
     import triton.language as tl
+
+    from fovea.engine.kernels import epilogue
+
+    global store_tile
+    store_tile = epilogue.store_tile
 
     @triton.jit
     def fp8_gemm_kernel(A, AS, B, BS, C, BIAS, M, N, K, k_split,
@@ -183,12 +191,7 @@ def _kernels():
             acc = acc * a_s[:, None] * b_s[None, :]
         c_ptrs = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         c_ok = m_ok[:, None] & n_ok[None, :]
-        if PARTIAL:
-            tl.store(C + split.to(tl.int64) * stride_cs + c_ptrs, acc, mask=c_ok)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(C + c_ptrs, acc.to(C.dtype.element_ty), mask=c_ok)
+        store_tile(C, BIAS, acc, c_ptrs, c_ok, offs_n, n_ok, split, stride_cs, HAS_BIAS, PARTIAL)
 
     @triton.jit
     def int4_gemm_kernel(A, P, S, Z, C, BIAS, M, N, K, k_split,
@@ -302,12 +305,7 @@ def _kernels():
             p_ptrs += (BLOCK_K // 8) * stride_pk
         c_ptrs = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         c_ok = m_ok[:, None] & n_ok[None, :]
-        if PARTIAL:
-            tl.store(C + split.to(tl.int64) * stride_cs + c_ptrs, acc, mask=c_ok)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(C + c_ptrs, acc.to(C.dtype.element_ty), mask=c_ok)
+        store_tile(C, BIAS, acc, c_ptrs, c_ok, offs_n, n_ok, split, stride_cs, HAS_BIAS, PARTIAL)
 
     @triton.jit
     def int4_dequant_kernel(P, S, Z, W, N, stride_pk, stride_sk, stride_zk, stride_wk,
