@@ -353,6 +353,27 @@ def test_the_choice_skips_a_candidate_that_cannot_run(monkeypatch):
         qm._choose(("int4", 2), [cands[0], cands[0]], launch)  # (one candidate alone is not timed)
 
 
+def test_a_candidate_that_disagrees_with_the_first_is_never_chosen(monkeypatch, caplog):
+    """Each candidate's output is compared with the first one's before it is timed: one that a
+    compiler got wrong here (a misread weight) is logged and left out, however fast; one that
+    differs by output rounding alone stays a candidate."""
+    from fovea.engine.kernels import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "_cannot_time", lambda: False)
+    monkeypatch.setattr(qm, "_CHOSEN", {})
+    ref = torch.linspace(-2, 2, 64).to(torch.bfloat16).reshape(2, 32)
+    outputs = {64: ref, 32: ref.float().mul(1 + 2 ** -8).to(torch.bfloat16),  # one rounding step off: agrees
+               128: ref.flip(1)}  # the fastest, and wrong
+    speed = {id(outputs[64]): 3.0, id(outputs[32]): 2.0, id(outputs[128]): 1.0}
+    monkeypatch.setattr(qm, "launch_time", lambda launch: speed[id(launch())])
+    cands = [qm.GemmConfig(16, 64, 128), qm.GemmConfig(16, 32, 128), qm.GemmConfig(16, 128, 128)]
+    assert qm._choose(("fp8", 1), cands, lambda c: outputs[c.block_n]) == cands[1]
+    assert "16x128x128" in caplog.text and "disagrees" in caplog.text
+    assert qm._disagreement(ref, ref.float()) is None
+    assert "shape" in qm._disagreement(ref[:1], ref)
+    assert qm._disagreement(torch.full_like(ref, float("nan")), ref) is not None
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_zeros", [True, False])

@@ -487,8 +487,18 @@ def _choose(key: tuple, candidates: list[Config], launch) -> Config:
     if _cannot_time() or len(candidates) == 1:
         return candidates[0]
     times, failed = [], []
+    reference, reference_config = None, None  # the first candidate that ran (the long-standing default first)
     for c in candidates:
         try:
+            out = launch(c)
+            if reference_config is None:
+                reference, reference_config = out, c
+            elif (problem := _disagreement(out, reference)) is not None:
+                # A kernel this GPU's compiler got wrong must not win on speed: it is not a candidate.
+                log.error("%s: %s disagrees with %s on this device (%s); it is not a candidate", key, c.describe(),
+                          reference_config.describe(), problem)
+                times.append(float("inf"))
+                continue
             times.append(launch_time(lambda c=c: launch(c)))
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile here (resources) is skipped
             times.append(float("inf"))
@@ -501,6 +511,25 @@ def _choose(key: tuple, candidates: list[Config], launch) -> Config:
     log.debug("%s: %s (%s)", key, candidates[best].describe(),
               ", ".join(f"{c.describe()} {1e3 * t:.1f} us" for c, t in zip(candidates, times, strict=True)))
     return _CHOSEN.setdefault(key, candidates[best])
+
+
+def _disagreement(out: object, reference: object) -> str | None:
+    """Why two candidates' outputs for the same inputs are not the same product (None: they are).
+    Both sum exact or dtype-rounded terms in float32, in different orders, then round once to the
+    output dtype: they may differ by an output rounding step each (2 eps of the largest value) plus
+    float32 sums far below 2^-10 of it. A misread weight or activation is off by the order of the
+    values themselves."""
+    if not (isinstance(out, torch.Tensor) and isinstance(reference, torch.Tensor)):
+        return None  # (a test's stand-in launch)
+    if out.shape != reference.shape:
+        return f"shape {tuple(out.shape)} against {tuple(reference.shape)}"
+    got, ref = out.float(), reference.float()
+    largest = float(ref.abs().max()) if ref.numel() else 0.0
+    bound = (2 * torch.finfo(out.dtype).eps + 2.0 ** -10) * largest
+    diff = float((got - ref).abs().max()) if ref.numel() else 0.0
+    if not diff <= bound:  # (NaN: not)
+        return f"max difference {diff:.3g}, allowed {bound:.3g} of largest |value| {largest:.3g}"
+    return None
 
 
 def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int) -> None:
