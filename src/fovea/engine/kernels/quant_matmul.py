@@ -29,8 +29,9 @@ What runs where:
   Without a kernel: the weight dequantised in float32, then one product.
 
 For at most ``quant_gemv.GEMV_MAX_ROWS`` rows (decode) the FP8 and int4 choices also time
-``quant_gemv``'s matrix-vector kernels (no matrix instructions; FP8 quantises its activations
-inside, one launch), each product timed whole, and keep whichever is faster per shape.
+``quant_gemv``'s matrix-vector kernels (no matrix instructions), each product timed whole with
+its quantiser, and keep whichever is faster per shape. Every candidate's output is first compared
+with the first candidate's (the tensor-core kernel's): one that disagrees is never chosen.
 
 Launch configurations are chosen per (kind, row bucket, N, K, group, dtype) on first use on a GPU by
 timing a few candidates (``AUTOTUNE``); under the interpreter or a graph capture the first candidate
