@@ -68,6 +68,7 @@ BLOCK = (128, 128)
 IMPLS = ("bf16", "fp8_scaled_mm", "fp8_triton", "fp8_mma", "fp8_gemv", "fp8_block", "int4_old", "int4_mma",
          "int4_gemv", "int4_fused", "int4_dq", "int4", "int4_dqk", "fp8_quant")
 INT4 = tuple(i for i in IMPLS if i.startswith("int4"))
+SWEPT = ("int4_fused", "fp8_triton", "fp8_block", "fp8_gemv", "int4_gemv")  # --sweep times their configurations
 
 MODELS = {  # name -> (layers, {linear: (N, K)})
     "7b": (28, {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (2 * 18944, 3584), "down": (3584, 18944)}),
@@ -335,8 +336,8 @@ def sweep(impl: str, x: torch.Tensor, wts: list[Weights], reps: int) -> None:
     extra = [c for c in extra if c not in cands]
     for c in cands + extra:
         try:
-            t = graph_time(lambda i, c=c: call("int4_fused" if impl.startswith("int4") else impl, x, wts[i], c),
-                           len(wts), reps)
+            kind = "int4_fused" if impl.startswith("int4") else impl
+            t = graph_time(lambda i, c=c: call(kind, x, wts[i], c), len(wts), reps)
         except Exception as e:  # noqa: BLE001 - a configuration that cannot compile (resources)
             print(f"      sweep {impl:<10} {c.describe():<28} raised {type(e).__name__}: {str(e)[:120]}")
             continue
@@ -419,7 +420,7 @@ def main(argv=None) -> int:
                     floors[(model, rows, impl)] = floors.get((model, rows, impl), 0.0) + layers * floor
                     print(f"    {impl:<14} {1e3 * t:9.4f} ms  {wb / t / 1e12:6.2f} TB/s  {flops / t / 1e12:7.1f} TFLOP/s"
                           f"  floor {1e3 * floor:8.4f} ms ({100 * floor / t:5.1f}% of it)")
-                    if args.sweep and impl in ("int4_fused", "fp8_triton", "fp8_block", "fp8_gemv", "int4_gemv"):
+                    if args.sweep and impl in SWEPT:
                         sweep(impl, x, wts, args.reps)
                 chosen = {key: c.describe() for key, c in qm._CHOSEN.items() if key[1] == qm._m_bucket(rows)
                           and key[2] == n and key[3] == k}

@@ -87,7 +87,8 @@ def test_the_choice_offers_the_matrix_vector_kernels_for_few_rows_only():
         # the default (first, used where nothing can be timed) stays the tensor-core kernel
         assert isinstance(fp8[0], qm.GemmConfig) and isinstance(int4[0], qm.GemmConfig)
     for key in (("fp8", 8, 64, 64, "torch.bfloat16"), ("fp8-mma", 1, 64, 64, "torch.bfloat16"),
-                ("int4", 8, 64, 256, 128, "torch.bfloat16", True), ("int4-mma", 1, 64, 256, 128, "torch.bfloat16", True)):
+                ("int4", 8, 64, 256, 128, "torch.bfloat16", True),
+                ("int4-mma", 1, 64, 256, 128, "torch.bfloat16", True)):
         assert not any(isinstance(c, quant_gemv.GemvConfig) for c in qm.candidates_for(key))
     assert qm.config_from_fields({"block_n": 16, "block_k": 64}) == quant_gemv.GemvConfig(16, 64)
     assert qm.config_from_fields({"block_m": 16, "block_n": 64, "block_k": 128}) == qm.GemmConfig(16, 64, 128)

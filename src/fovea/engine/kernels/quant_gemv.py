@@ -237,8 +237,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
         x, xs = quantize_per_token(x)
     _kernels()[0][grid](x, xs, weight, scale, target, bias if bias is not None else out, rows, n, k, per,
                         x.stride(0), weight.stride(0), target.stride(0) if splits > 1 else 0, target.stride(-2),
-                        MIN_SCALE, QUANTIZE=config.quantize, ROWS=next_pow2(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                        EVEN_K=k % config.block_k == 0 and per % config.block_k == 0,
+                        MIN_SCALE, QUANTIZE=config.quantize, ROWS=next_pow2(rows), BLOCK_N=config.block_n,
+                        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0 and per % config.block_k == 0,
                         HAS_BIAS=bias is not None, PARTIAL=splits > 1, num_warps=config.num_warps)
     _finish(target, bias, out, splits)
     return out
