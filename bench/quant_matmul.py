@@ -115,7 +115,7 @@ def make_weights(n: int, k: int, gen: torch.Generator) -> Weights:
 def weight_bytes(impl: str, n: int, k: int) -> int:
     if impl == "bf16":
         return 2 * n * k
-    if impl in ("fp8_scaled_mm", "fp8_triton"):
+    if impl in ("fp8_scaled_mm", "fp8_triton", "fp8_mma", "fp8_gemv"):
         return n * k + 4 * n
     if impl == "fp8_block":
         return n * k + 4 * math.ceil(n / 128) * math.ceil(k / 128)
