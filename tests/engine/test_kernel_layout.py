@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ["triton_decode", "triton_prefill", "triton_ops", "qwen_vision_kernels", "vision_kernels",
-           "checksum_kernel", "cases", "fp8_quantize", "quant_gemv", "quant_matmul"]
+           "checksum_kernel", "cases", "fp8_quantize", "split_sum", "quant_gemv", "quant_matmul"]
 
 
 def test_the_kernel_modules_import_nothing_above_them():

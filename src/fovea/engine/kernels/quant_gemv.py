@@ -5,7 +5,7 @@ semantics as ``quant_matmul``'s kernels (its docstring), other arithmetic:
 - no matrix instructions: a program holds ``BLOCK_N`` output columns and multiplies-and-adds its
   weights in float32 registers while they stream in; one launch per product (FP8: after the
   quantiser's, unless it quantises inside), one more where K is split (float32 partials summed in
-  a fixed order by ``quant_matmul.sum_splits``). At one row a tensor-core tile pads the row to 16
+  a fixed order by ``split_sum.sum_splits``). At one row a tensor-core tile pads the row to 16
   and moves the weight through shared memory; here the weight goes from memory to a
   multiply-add in registers.
 - FP8: the activations quantised per token by ``fp8_quantize``'s launch, or (a candidate) inside:
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from fovea.engine.kernels.fp8_quantize import MIN_SCALE, quantize_per_token, rounding_helpers
+from fovea.engine.kernels.split_sum import sum_splits
 from fovea.engine.kernels.triton_util import next_pow2
 
 GEMV_MAX_ROWS = 4  # products of at most this many rows may take these kernels
@@ -210,9 +211,7 @@ def _target(splits: int, out: torch.Tensor) -> torch.Tensor:
 
 def _finish(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int) -> None:
     if splits > 1:
-        from fovea.engine.kernels import quant_matmul
-
-        quant_matmul.sum_splits(target, bias, out, splits)
+        sum_splits(target, bias, out, splits)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

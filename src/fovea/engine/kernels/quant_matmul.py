@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from fovea.engine.kernels import quant_gemv
+from fovea.engine.kernels.split_sum import sum_splits
 from fovea.engine.kernels.fp8_quantize import (
     can_run_triton,
     interpreting,
@@ -341,22 +342,7 @@ def _kernels():
                 w = bits.to(tl.float32, bitcast=True)
             tl.store(w_ptrs + j * stride_wk, w.to(W.dtype.element_ty), mask=n_ok[None, :])
 
-    @triton.jit
-    def split_sum_kernel(WS, BIAS, C, N, splits, stride_ws, stride_wm, stride_cm,
-                         HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
-        # C[m, n] = sum over the K splits of their float32 partials (+ bias), in a fixed order.
-        m = tl.program_id(0).to(tl.int64)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_s = tl.arange(0, BLOCK_S)
-        n_ok = offs_n < N
-        part = tl.load(WS + offs_s[:, None] * stride_ws + m * stride_wm + offs_n[None, :],
-                       mask=(offs_s < splits)[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.sum(part, axis=0)
-        if HAS_BIAS:
-            acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(C + m * stride_cm + offs_n, acc.to(C.dtype.element_ty), mask=n_ok)
-
-    return fp8_gemm_kernel, int4_gemm_kernel, split_sum_kernel, int4_dequant_kernel
+    return fp8_gemm_kernel, int4_gemm_kernel, int4_dequant_kernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,15 +517,6 @@ def _disagreement(out: object, reference: object) -> str | None:
     if not diff <= bound:  # (NaN: not)
         return f"max difference {diff:.3g}, allowed {bound:.3g} of largest |value| {largest:.3g}"
     return None
-
-
-def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int) -> None:
-    """out = the sum of the float32 partials ws [splits, M, N] in a fixed order (+ bias), cast."""
-    rows, n = out.shape
-    block_n = 256
-    _kernels()[2][(rows, -(-n // block_n))](ws, bias if bias is not None else out, out, n, splits, ws.stride(0),
-                                            ws.stride(1), out.stride(0), HAS_BIAS=bias is not None,
-                                            BLOCK_S=max(2, next_pow2(splits)), BLOCK_N=block_n, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -782,7 +759,7 @@ def int4_dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     if block_k < 16:
         raise ValueError(f"the group {group} needs a power-of-two factor >= 16")
     grid = (k // block_k, -(-n // DEQUANT_BLOCK_N))
-    _kernels()[3][grid](packed, scales, zeros if zeros is not None else scales, out, n, packed.stride(0),
+    _kernels()[2][grid](packed, scales, zeros if zeros is not None else scales, out, n, packed.stride(0),
                         scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
                         GROUP=group, HAS_ZEROS=zeros is not None, BLOCK_K=block_k, BLOCK_N=DEQUANT_BLOCK_N,
                         ROUND_BF16=interpreting() and out.dtype == torch.bfloat16, num_warps=4)  # 16 weights a thread
