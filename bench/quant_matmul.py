@@ -312,15 +312,16 @@ def fp8_grid(rows: int) -> list[qm.GemmConfig]:
 
 
 def gemv_grid(impl: str, rows: int) -> list:
-    """Matrix-vector configurations beyond the candidates: tile widths, steps, splits and warps."""
+    """Matrix-vector configurations beyond the candidates: tile widths, warps and splits over K (the
+    int4 kernel takes a group a step)."""
     if rows > quant_gemv.GEMV_MAX_ROWS:
         return []
-    acc = 4096 // quant_gemv.next_pow2(rows)
+    tile = 4096 if rows <= 2 else 2048  # weights a 4-warp step: 32 (16) a thread, as the candidates
     if impl == "fp8_gemv":
-        return [quant_gemv.GemvConfig(bn, acc * warps // 4 // bn, split, warps)
-                for bn in (4, 8, 16, 32) for warps in (4, 8) for split in (1, 2, 4)]
-    return [quant_gemv.GemvConfig(bn, bp, split, warps)
-            for bn in (32, 64, 128) for bp in (8, 16) for warps in (2, 4) for split in (1, 2, 4)]
+        return [quant_gemv.GemvConfig(bn, tile * warps // 4 // bn, split, warps)
+                for bn in (8, 16, 32, 64) for warps in (4, 8) for split in (1, 2, 4, 8)]
+    return [quant_gemv.GemvConfig(bn, GROUP // 8, split, warps)
+            for bn in (32, 64, 128, 256) for warps in (2, 4, 8) for split in (1, 2, 4, 8)]
 
 
 def sweep(impl: str, x: torch.Tensor, wts: list[Weights], reps: int) -> None:

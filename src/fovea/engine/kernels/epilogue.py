@@ -22,3 +22,12 @@ def store_tile(C, BIAS, acc, c_ptrs, c_ok, offs_n, n_ok, split, stride_cs, HAS_B
         if HAS_BIAS:
             acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(C + c_ptrs, acc.to(C.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit
+def store_row(C, BIAS, y, row, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS_BIAS: tl.constexpr,
+              PARTIAL: tl.constexpr):
+    """One row of C (float32 y [BLOCK_N]) as ``store_tile`` stores a tile; nothing where row >= M."""
+    c_ptrs = (row * stride_cm + offs_n)[None, :]
+    ok = n_ok & ((offs_n * 0 + row) < M)  # (a tensor comparison: the interpreter's row and M may be ints)
+    store_tile(C, BIAS, y[None, :], c_ptrs, ok[None, :], offs_n, n_ok, split, stride_cs, HAS_BIAS, PARTIAL)
