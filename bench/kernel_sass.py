@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -124,6 +125,49 @@ def int4_case(rows: int, config, group: int) -> tuple[dict, dict, int]:
     return signature, constants, config.block_n * group
 
 
+@dataclass
+class Analysis:
+    regs: int
+    shared: int
+    spilled: int  # bytes of local memory a thread
+    loop: collections.Counter  # opcodes of the longest loop
+    per_weight: float  # the loop's instructions per weight it streams, a thread
+    ttgir: str
+    sass: str
+
+
+def analyse(kind: str, rows: int, config, group: int = 128, arch: int = 90) -> Analysis:
+    """Compile one matrix-vector kernel (``kind`` fp8 or int4) for ``rows`` rows and ``config`` and
+    count its SASS."""
+    from fovea.engine.kernels import quant_gemv
+
+    fp8_kernel, int4_kernel = quant_gemv._kernels()
+    if kind == "fp8":
+        fn, (signature, constants, per_step) = fp8_kernel, fp8_case(rows, config)
+    else:
+        fn, (signature, constants, per_step) = int4_kernel, int4_case(rows, config, group)
+    kernel = compile_kernel(fn, signature, constants, config.num_warps, arch)
+    cubin = kernel.asm["cubin"]
+    sass = disassemble(cubin)
+    use = resources(cubin)
+    ops = longest_loop(sass)
+    per_weight = len(ops) / (per_step / (32 * config.num_warps)) if ops else float("nan")
+    return Analysis(use["regs"], use["shared"], use["local"], collections.Counter(ops), per_weight,
+                    kernel.asm["ttgir"], sass)
+
+
+def tools_missing() -> str | None:
+    """Why this cannot run here, or None."""
+    try:
+        import triton  # noqa: F401
+
+        nvidia_tool("nvdisasm")
+        nvidia_tool("cuobjdump")
+    except (ImportError, FileNotFoundError) as e:
+        return str(e)
+    return None
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,4", help="rows of x (1-4)")
@@ -137,44 +181,31 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    try:
-        import triton  # noqa: F401
-
-        from fovea.engine.kernels import quant_gemv
-        nvidia_tool("nvdisasm")
-        nvidia_tool("cuobjdump")
-    except (ImportError, FileNotFoundError) as e:
-        print(f"kernel_sass: {e}", file=sys.stderr)
+    missing = tools_missing()
+    if missing:
+        print(f"kernel_sass: {missing}", file=sys.stderr)
         return 2
-    fp8_kernel, int4_kernel = quant_gemv._kernels()
+    from fovea.engine.kernels import quant_gemv
+
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
     print(f"{'kernel':5} {'rows':>4} {'config':28} {'regs':>4} {'smem':>5} {'spill':>5} {'loop':>5} "
           f"{'/weight':>7}  top opcodes in the loop")
     for kind in args.kernels.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            if kind == "fp8":
-                configs, fn = quant_gemv.fp8_gemv_candidates(rows), fp8_kernel
-            else:
-                configs, fn = quant_gemv.int4_gemv_candidates(rows, args.group), int4_kernel
+            configs = (quant_gemv.fp8_gemv_candidates(rows) if kind == "fp8"
+                       else quant_gemv.int4_gemv_candidates(rows, args.group))
+            # the split count changes only whether partials are stored: one compile for 1, one for more
             for config in dict.fromkeys(c.__class__(c.block_n, c.block_k, min(c.split_k, 2), c.num_warps)
-                                        for c in configs):  # the split count does not change the code
-                signature, constants, per_step = (fp8_case(rows, config) if kind == "fp8"
-                                                  else int4_case(rows, config, args.group))
-                kernel = compile_kernel(fn, signature, constants, config.num_warps, args.arch)
-                cubin = kernel.asm["cubin"]
-                sass = disassemble(cubin)
-                use = resources(cubin)
-                ops = longest_loop(sass)
-                threads = 32 * config.num_warps
-                per_weight = len(ops) / (per_step / threads) if ops else float("nan")
-                top = ", ".join(f"{op}:{n}" for op, n in collections.Counter(ops).most_common(6))
-                print(f"{kind:5} {rows:>4} {config.describe():28} {use['regs']:>4} {use['shared']:>5} "
-                      f"{use['local']:>5} {len(ops):>5} {per_weight:>7.2f}  {top}")
+                                        for c in configs):
+                a = analyse(kind, rows, config, args.group, args.arch)
+                top = ", ".join(f"{op}:{n}" for op, n in a.loop.most_common(6))
+                print(f"{kind:5} {rows:>4} {config.describe():28} {a.regs:>4} {a.shared:>5} {a.spilled:>5} "
+                      f"{sum(a.loop.values()):>5} {a.per_weight:>7.2f}  {top}")
                 if args.dump:
                     stem = args.dump / f"{kind}_r{rows}_{config.block_n}x{config.block_k}_s{config.split_k}"
-                    stem.with_suffix(".ttgir").write_text(kernel.asm["ttgir"])
-                    stem.with_suffix(".sass").write_text(sass)
+                    stem.with_suffix(".ttgir").write_text(a.ttgir)
+                    stem.with_suffix(".sass").write_text(a.sass)
     return 0
 
 
