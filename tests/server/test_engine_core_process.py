@@ -457,3 +457,43 @@ def test_an_api_process_preprocesses_with_the_cores_override(tmp_path):
     without = load_model(path, "cpu", "float32", weights=False)
     with pytest.raises(ModelLoadError, match="engine core's contract"):
         same_recipe_as_core(dataclasses.replace(settings, processor_override={}), without, contract)
+
+
+@NEEDS_PROC
+def test_e_pd_with_two_api_processes_answers_images_as_agg(tmp_path, thread_server):
+    """--topology e_pd --api-server-count 2: both API processes hand images to the one core, whose
+    encode worker makes their embeddings; the greedy answers equal an in-process agg engine's."""
+    log = tmp_path / "server.log"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--device", "cpu", "--port", str(port),
+                                    "--no-canary", "--topology", "e_pd", "--api-server-count", "2"], cwd=ROOT,
+                                   stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    colors = [(220, 30, 30), (30, 200, 40), (30, 30, 220)]
+    bodies = [{"messages": chat("What color is the circle?", color), "max_tokens": 4, "temperature": 0}
+              for color in colors]
+    try:
+        wait_ready(process, base)
+        health = httpx.get(base + "/health", timeout=10).json()
+        assert health["topology"] == "e_pd" and health["api_servers"] == {"serving": 2, "of": 2}, health
+        expected = [answer(thread_server.base_url, body)["choices"][0]["message"]["content"] for body in bodies]
+        sent = 0
+        while min(served_by(log, "POST /v1/chat/completions 200")) == 0 and sent < 240:
+            got = [answer(base, body)["choices"][0]["message"]["content"] for body in bodies]
+            assert got == expected
+            sent += len(bodies)
+        assert min(served_by(log, "POST /v1/chat/completions 200")) > 0, "one API process took every request"
+        # each distinct image was encoded by the worker (the core's stats reach /health every 0.25 s)
+        deadline = time.monotonic() + 30
+        while (handoff := httpx.get(base + "/health", timeout=10).json()["handoff"])["images"] < len(colors):
+            assert time.monotonic() < deadline, handoff
+            time.sleep(0.1)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
