@@ -1,6 +1,6 @@
 """The matrix-vector int4 kernel's arithmetic on packed codes, as Triton helpers: one code of every
-packed int32 as a float32 without a conversion instruction, and a group's zero point and scale
-folded into the running sums.
+packed int32 as a float32 without a conversion instruction, its products with x summed, and a
+group's zero point and scale folded into the running sums.
 
 This module imports triton at the top, so it is only imported from inside a lazy ``_kernels()``
 builder (as ``fp8_rounding`` and ``epilogue``).
@@ -28,6 +28,18 @@ def int4_code(p, j: tl.constexpr, FOLD: tl.constexpr, z, code_mask):
     else:
         w = (((p >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
         return w - (z + 8388608.0)[None, :]
+
+
+@triton.jit
+def int4_products(w, x_ptrs, part, x_sum, FIRST: tl.constexpr):
+    """(part + w * x, x_sum + x) for the x at x_ptrs (one a packed row: [BLOCK_P]) and the codes w
+    [BLOCK_P, BLOCK_N] as float32; FIRST starts both from x itself (part and x_sum unused): a zero
+    start would be laid out apart from x and re-laid out every group."""
+    x = tl.load(x_ptrs).to(tl.float32)
+    if FIRST:
+        return w * x[:, None], x
+    else:
+        return part + w * x[:, None], x_sum + x
 
 
 @triton.jit

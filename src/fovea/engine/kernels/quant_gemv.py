@@ -45,7 +45,7 @@ MAX_SPLIT_K = 8
 # ~0.6 more instructions a weight (sm_90 SASS of the 1-row kernel: 5.6 against 5.0).
 CODE_MASK = 0xF0000
 
-store_row = int4_code = int4_fold = None  # bound by _kernels() (epilogue, int4_codes)
+store_row = int4_code = int4_products = int4_fold = None  # bound by _kernels() (epilogue, int4_codes)
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,9 @@ def _kernels():
     from fovea.engine.kernels import epilogue, int4_codes
 
     # module globals, where triton's interpreter looks a kernel's names up
-    global store_row, int4_code, int4_fold
-    store_row, int4_code, int4_fold = epilogue.store_row, int4_codes.int4_code, int4_codes.int4_fold
+    global store_row, int4_code, int4_products, int4_fold
+    store_row = epilogue.store_row
+    int4_code, int4_products, int4_fold = int4_codes.int4_code, int4_codes.int4_products, int4_codes.int4_fold
 
     @triton.jit
     def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_wn, stride_cs, stride_cm,
@@ -159,44 +160,27 @@ def _kernels():
             else:
                 z = tl.full([BLOCK_N], 8.0, tl.float32)
             # the group's packed rows in one step; x read in the slice of p's layout (one load per
-            # packed row and code, used for the thread's columns), its sums started from x itself
-            # so that they are laid out as x (a zero start is laid out otherwise and re-laid out)
+            # packed row and code, used for the thread's columns)
             p = tl.load(P + (g0 // 8 + offs_p).to(tl.int64)[:, None] * stride_pk + offs_n[None, :],
                         mask=n_ok[None, :], other=0, eviction_policy="evict_first")
             x_ptrs = X + g0 + 8 * offs_p
-            for j in tl.static_range(8):
+            w = int4_code(p, 0, FOLD, z, code_mask)
+            part0, xs0 = int4_products(w, x_ptrs, x_ptrs, x_ptrs, True)
+            if ROWS > 1:
+                part1, xs1 = int4_products(w, x_ptrs + x1, x_ptrs, x_ptrs, True)
+            if ROWS > 2:
+                part2, xs2 = int4_products(w, x_ptrs + x2, x_ptrs, x_ptrs, True)
+            if ROWS > 3:
+                part3, xs3 = int4_products(w, x_ptrs + x3, x_ptrs, x_ptrs, True)
+            for j in tl.static_range(1, 8):
                 w = int4_code(p, j, FOLD, z, code_mask)
-                x = tl.load(x_ptrs + j).to(tl.float32)
-                if j == 0:
-                    part0 = w * x[:, None]
-                    xs0 = x
-                else:
-                    part0 += w * x[:, None]
-                    xs0 += x
+                part0, xs0 = int4_products(w, x_ptrs + j, part0, xs0, False)
                 if ROWS > 1:
-                    x = tl.load(x_ptrs + x1 + j).to(tl.float32)
-                    if j == 0:
-                        part1 = w * x[:, None]
-                        xs1 = x
-                    else:
-                        part1 += w * x[:, None]
-                        xs1 += x
+                    part1, xs1 = int4_products(w, x_ptrs + x1 + j, part1, xs1, False)
                 if ROWS > 2:
-                    x = tl.load(x_ptrs + x2 + j).to(tl.float32)
-                    if j == 0:
-                        part2 = w * x[:, None]
-                        xs2 = x
-                    else:
-                        part2 += w * x[:, None]
-                        xs2 += x
+                    part2, xs2 = int4_products(w, x_ptrs + x2 + j, part2, xs2, False)
                 if ROWS > 3:
-                    x = tl.load(x_ptrs + x3 + j).to(tl.float32)
-                    if j == 0:
-                        part3 = w * x[:, None]
-                        xs3 = x
-                    else:
-                        part3 += w * x[:, None]
-                        xs3 += x
+                    part3, xs3 = int4_products(w, x_ptrs + x3 + j, part3, xs3, False)
             acc0 = int4_fold(acc0, part0, xs0, z, s, FOLD)
             if ROWS > 1:
                 acc1 = int4_fold(acc1, part1, xs1, z, s, FOLD)
