@@ -2,10 +2,11 @@
 (``quant_gemv``) compiled for sm_90 by this machine's triton and ptxas, and their main loop's
 SASS counted per weight.
 
-    python3 bench/kernel_sass.py [--rows 1,2,4] [--kernels fp8,int4] [--group 128] [--arch 90] [--dump DIR]
+    python3 bench/kernel_sass.py [--rows 1,2,4] [--kernels fp8,fp8-block,int4] [--group 128] [--arch 90]
+                                 [--dump DIR]
 
 For every launch configuration the shape's choice would time (``fp8_gemv_candidates``,
-``int4_gemv_candidates``): registers a thread, shared memory, spills (``cuobjdump -res-usage``), the
+``fp8_block_gemv_candidates`` for 128x128 weight blocks, ``int4_gemv_candidates``): registers a thread, shared memory, spills (``cuobjdump -res-usage``), the
 instructions of the longest loop in the SASS (``nvdisasm``) and their count per weight the loop
 streams, and the most frequent opcodes. Arguments are specialised as the JIT does on the
 Qwen2.5-VL-7B shapes (16-byte aligned pointers, integers divisible by 16, one row a constant).
@@ -104,13 +105,15 @@ def longest_loop(sass: str) -> list[str]:
     return ops
 
 
-def fp8_case(rows: int, config) -> tuple[dict, dict, int]:
+def fp8_case(rows: int, config, block_scaled: bool = False) -> tuple[dict, dict, int]:
     signature = {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "C": "*bf16", "BIAS": "*bf16",
-                 "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32", "stride_wn": "i32",
-                 "stride_cs": "i32", "stride_cm": "i32", "ROWS": "constexpr", "BLOCK_N": "constexpr",
-                 "BLOCK_K": "constexpr", "EVEN_K": "constexpr", "HAS_BIAS": "constexpr", "PARTIAL": "constexpr"}
+                 "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32", "stride_xs": "i32",
+                 "stride_wn": "i32", "stride_ws": "i32", "stride_cs": "i32", "stride_cm": "i32", "group_n": "i32",
+                 "group_k": "i32", "ROWS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                 "EVEN_K": "constexpr", "BLOCK_SCALED": "constexpr", "HAS_BIAS": "constexpr",
+                 "PARTIAL": "constexpr"}
     constants = {"ROWS": rows, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": True,
-                 "HAS_BIAS": False, "PARTIAL": config.split_k > 1}
+                 "BLOCK_SCALED": block_scaled, "HAS_BIAS": False, "PARTIAL": config.split_k > 1}
     return signature, constants, config.block_n * config.block_k  # weights a loop step streams
 
 
@@ -137,13 +140,13 @@ class Analysis:
 
 
 def analyse(kind: str, rows: int, config, group: int = 128, arch: int = 90) -> Analysis:
-    """Compile one matrix-vector kernel (``kind`` fp8 or int4) for ``rows`` rows and ``config`` and
-    count its SASS."""
+    """Compile one matrix-vector kernel (``kind`` fp8, fp8-block (128x128 weight blocks) or int4) for
+    ``rows`` rows and ``config`` and count its SASS."""
     from fovea.engine.kernels import quant_gemv
 
     fp8_kernel, int4_kernel = quant_gemv._kernels()
-    if kind == "fp8":
-        fn, (signature, constants, per_step) = fp8_kernel, fp8_case(rows, config)
+    if kind in ("fp8", "fp8-block"):
+        fn, (signature, constants, per_step) = fp8_kernel, fp8_case(rows, config, kind == "fp8-block")
     else:
         fn, (signature, constants, per_step) = int4_kernel, int4_case(rows, config, group)
     kernel = compile_kernel(fn, signature, constants, config.num_warps, arch)
@@ -171,7 +174,7 @@ def tools_missing() -> str | None:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,4", help="rows of x (1-4)")
-    p.add_argument("--kernels", default="fp8,int4")
+    p.add_argument("--kernels", default="fp8,fp8-block,int4")
     p.add_argument("--group", type=int, default=128, help="int4 group size")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
     p.add_argument("--dump", type=Path, help="write each kernel's ttgir and SASS here")
@@ -194,6 +197,7 @@ def main(argv=None) -> int:
     for kind in args.kernels.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
             configs = (quant_gemv.fp8_gemv_candidates(rows) if kind == "fp8"
+                       else quant_gemv.fp8_block_gemv_candidates(rows, (128, 128)) if kind == "fp8-block"
                        else quant_gemv.int4_gemv_candidates(rows, args.group))
             # the split count changes only whether partials are stored: one compile for 1, one for more
             for config in dict.fromkeys(c.__class__(c.block_n, c.block_k, min(c.split_k, 2), c.num_warps)

@@ -35,11 +35,12 @@ SHARED_MEMORY_OPS = ("STS", "LDS", "LDSM", "BAR")
 
 
 @needs_tools
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
+@pytest.mark.parametrize("kind", ["fp8", "fp8-block", "int4"])
 def test_the_one_row_loops_stream_the_weight_through_registers_only(kind):
     from fovea.engine.kernels import quant_gemv
 
-    configs = quant_gemv.fp8_gemv_candidates(1) if kind == "fp8" else quant_gemv.int4_gemv_candidates(1, 128)
+    configs = {"fp8": quant_gemv.fp8_gemv_candidates(1), "fp8-block": quant_gemv.fp8_block_gemv_candidates(1, (128, 128)),
+               "int4": quant_gemv.int4_gemv_candidates(1, 128)}[kind]
     a = tool.analyse(kind, 1, configs[0])
     in_loop = sorted(op for op in a.loop if op.startswith(SHARED_MEMORY_OPS))
     assert in_loop == [], f"shared memory inside the {kind} loop: {in_loop}"

@@ -6,7 +6,7 @@ TRITON_INTERPRET=1 (``test_kernels_interpreted`` runs this file in the CPU inter
 import pytest
 import torch
 from kernel_helpers import needs_triton
-from test_quant_kernels import FP8, make_int4, rand, torch_quant
+from test_quant_kernels import FP8, check_fp8, expand_scales, make_fp8, make_int4, rand, torch_quant
 
 from fovea.testing.tolerance import assert_close_for
 
@@ -40,6 +40,30 @@ def test_fp8_gemv_equals_the_quantised_product(rows, out_dtype):
         ref = exact + (bias.float() if with_bias else 0)
         assert y.dtype == out_dtype and y.shape == (rows, n)
         assert_close_for(y.float(), ref, torch.float32, k, storage=out_dtype if out_dtype != torch.float32 else None)
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp8_block_gemv_scales_each_step_by_its_blocks(rows):
+    """Block-scaled weights (128x128, partial blocks in N and K; 64x32 blocks with a step narrower
+    than the group): each step is scaled by its K group's activation scale and its weight blocks'
+    scales, as the tensor-core kernel's tiles are; split over K and not, with a bias."""
+    from fovea.engine.kernels.quant_gemv import GemvConfig
+    from fovea.engine.kernels.quant_matmul import fp8_block_linear
+
+    for n, k, block, config in ((136, 320, (128, 128), GemvConfig(32, 128)),
+                                (136, 320, (128, 128), GemvConfig(16, 128, split_k=2)),
+                                (96, 192, (64, 32), GemvConfig(8, 16, split_k=3))):
+        weight, scale, w = make_fp8(n, k, seed=30 + block[1], block=block)
+        x = rand(rows, k, seed=31, dtype=torch.bfloat16)
+        x[:, 64:128] *= 30  # the groups differ in scale, as real activations do
+        bias = rand(n, seed=32, dtype=torch.bfloat16)
+        y = fp8_block_linear(x, weight, scale, block, bias, config=config)
+        xq, xs = torch_quant(x, block[1])
+        check_fp8(y, x, w, expand_scales(xs, block[1], k), xq, bias, torch.bfloat16, k)
+    with pytest.raises(ValueError, match="must divide"):
+        weight, scale, _ = make_fp8(32, 64, seed=33, block=(16, 32))
+        fp8_block_linear(rand(1, 64, seed=34), weight, scale, (16, 32), config=GemvConfig(8, 64))
 
 
 @needs_triton
@@ -79,6 +103,9 @@ def test_the_choice_offers_the_matrix_vector_kernels_for_few_rows_only():
     from fovea.engine.kernels import quant_matmul as qm
 
     for rows in (1, 2, 4):
+        block = qm.candidates_for(("fp8-block", rows, 64, 256, "torch.bfloat16", 128, 128))
+        assert any(isinstance(c, quant_gemv.GemvConfig) for c in block)
+        assert all(128 % c.block_k == 0 for c in block if isinstance(c, quant_gemv.GemvConfig))
         fp8 = qm.candidates_for(("fp8", rows, 64, 64, "torch.bfloat16"))
         int4 = qm.candidates_for(("int4", rows, 64, 256, 128, "torch.bfloat16", True))
         assert any(isinstance(c, quant_gemv.GemvConfig) for c in fp8)
@@ -87,6 +114,8 @@ def test_the_choice_offers_the_matrix_vector_kernels_for_few_rows_only():
         # the default (first, used where nothing can be timed) stays the tensor-core kernel
         assert isinstance(fp8[0], qm.GemmConfig) and isinstance(int4[0], qm.GemmConfig)
     for key in (("fp8", 8, 64, 64, "torch.bfloat16"), ("fp8-mma", 1, 64, 64, "torch.bfloat16"),
+                ("fp8-block", 8, 64, 256, "torch.bfloat16", 128, 128),
+                ("fp8-block", 1, 64, 240, "torch.bfloat16", 128, 40),  # 8 columns a group step: none
                 ("int4", 8, 64, 256, 128, "torch.bfloat16", True),
                 ("int4-mma", 1, 64, 256, 128, "torch.bfloat16", True)):
         assert not any(isinstance(c, quant_gemv.GemvConfig) for c in qm.candidates_for(key))

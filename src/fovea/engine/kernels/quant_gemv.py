@@ -45,7 +45,9 @@ MAX_SPLIT_K = 8
 # ~0.6 more instructions a weight (sm_90 SASS of the 1-row kernel: 5.6 against 5.0).
 CODE_MASK = 0xF0000
 
-store_row = int4_code = int4_products = int4_fold = None  # bound by _kernels() (epilogue, int4_codes)
+# bound by _kernels() (epilogue, fp8_gemv_parts, int4_codes): module globals, where triton's interpreter
+# looks a kernel's names up
+store_row = fp8_activations = fp8_row_sums = int4_code = int4_products = int4_fold = None
 
 
 @dataclass(frozen=True)
@@ -64,21 +66,25 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    from fovea.engine.kernels import epilogue, int4_codes
+    from fovea.engine.kernels import epilogue, fp8_gemv_parts, int4_codes
 
-    # module globals, where triton's interpreter looks a kernel's names up
-    global store_row, int4_code, int4_products, int4_fold
+    global store_row, fp8_activations, fp8_row_sums, int4_code, int4_products, int4_fold
     store_row = epilogue.store_row
+    fp8_activations, fp8_row_sums = fp8_gemv_parts.fp8_activations, fp8_gemv_parts.fp8_row_sums
     int4_code, int4_products, int4_fold = int4_codes.int4_code, int4_codes.int4_products, int4_codes.int4_fold
 
     @triton.jit
-    def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_wn, stride_cs, stride_cm,
-                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_xs, stride_wn, stride_ws,
+                        stride_cs, stride_cm, group_n, group_k, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
         # C[m, n] = sum_k xq[m, k] W[n, k] * xs[m] * ws[n]: xq e4m3 activations with their per-row
-        # scales xs [M, 1] (the quantiser's), W e4m3 [N, K]. One 2-D tile of float32 partial sums a
-        # row of x (ROWS <= 4 named accumulators: a [ROWS, N, K] tile would be re-laid out through
-        # shared memory on every step), reduced over K once, after the loop.
+        # scales xs [M, 1] (the quantiser's), W e4m3 [N, K] with per-channel scales ws [N]. With
+        # BLOCK_SCALED, xs is [M, K / group_k] and ws [N / group_n, K / group_k]: a step lies in one K
+        # group (BLOCK_K divides group_k) and a program's columns in one weight block (BLOCK_N divides
+        # group_n), so both of a step's scales multiply its activations, not each weight. One 2-D tile of
+        # float32 partial sums a row of x (ROWS <= 4 named accumulators: a [ROWS, N, K] tile would be
+        # re-laid out through shared memory on every step), reduced over K once, after the loop.
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,6 +100,10 @@ def _kernels():
         x1 = tl.minimum(1, M - 1) * stride_xm
         x2 = tl.minimum(2, M - 1) * stride_xm
         x3 = tl.minimum(3, M - 1) * stride_xm
+        xs0 = XS
+        xs1 = XS + tl.minimum(1, M - 1) * stride_xs
+        xs2 = XS + tl.minimum(2, M - 1) * stride_xs
+        xs3 = XS + tl.minimum(3, M - 1) * stride_xs
         acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -106,27 +116,35 @@ def _kernels():
                 k_ok = (k0 + offs_k) < k_end
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
             w = w.to(tl.float32)
-            acc0 += w * tl.load(x_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            g = k0 // group_k
+            if BLOCK_SCALED:  # the program's columns lie in one weight block: its scale for this K group
+                sw = tl.load(WS + (pid_n * BLOCK_N // group_n) * stride_ws + g)
+            else:
+                sw = 1.0
+            acc0 += w * fp8_activations(x_ptrs, k_ok, xs0, g, sw, BLOCK_SCALED)
             if ROWS > 1:
-                acc1 += w * tl.load(x_ptrs + x1, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                acc1 += w * fp8_activations(x_ptrs + x1, k_ok, xs1, g, sw, BLOCK_SCALED)
             if ROWS > 2:
-                acc2 += w * tl.load(x_ptrs + x2, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                acc2 += w * fp8_activations(x_ptrs + x2, k_ok, xs2, g, sw, BLOCK_SCALED)
             if ROWS > 3:
-                acc3 += w * tl.load(x_ptrs + x3, mask=k_ok[None, :], other=0.0).to(tl.float32)
+                acc3 += w * fp8_activations(x_ptrs + x3, k_ok, xs3, g, sw, BLOCK_SCALED)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        ws = tl.load(WS + offs_n, mask=n_ok, other=0.0)
-        store_row(C, BIAS, tl.sum(acc0, axis=1) * (ws * tl.load(XS)), 0, M, offs_n, n_ok, split, stride_cs,
-                  stride_cm, HAS_BIAS, PARTIAL)
+        if BLOCK_SCALED:
+            ws = tl.zeros([BLOCK_N], tl.float32)  # (unused: the steps were scaled)
+        else:
+            ws = tl.load(WS + offs_n, mask=n_ok, other=0.0)
+        y = fp8_row_sums(acc0, ws, xs0, BLOCK_SCALED)
+        store_row(C, BIAS, y, 0, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS_BIAS, PARTIAL)
         if ROWS > 1:
-            store_row(C, BIAS, tl.sum(acc1, axis=1) * (ws * tl.load(XS + tl.minimum(1, M - 1))), 1, M, offs_n, n_ok,
-                      split, stride_cs, stride_cm, HAS_BIAS, PARTIAL)
+            y = fp8_row_sums(acc1, ws, xs1, BLOCK_SCALED)
+            store_row(C, BIAS, y, 1, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS_BIAS, PARTIAL)
         if ROWS > 2:
-            store_row(C, BIAS, tl.sum(acc2, axis=1) * (ws * tl.load(XS + tl.minimum(2, M - 1))), 2, M, offs_n, n_ok,
-                      split, stride_cs, stride_cm, HAS_BIAS, PARTIAL)
+            y = fp8_row_sums(acc2, ws, xs2, BLOCK_SCALED)
+            store_row(C, BIAS, y, 2, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS_BIAS, PARTIAL)
         if ROWS > 3:
-            store_row(C, BIAS, tl.sum(acc3, axis=1) * (ws * tl.load(XS + tl.minimum(3, M - 1))), 3, M, offs_n, n_ok,
-                      split, stride_cs, stride_cm, HAS_BIAS, PARTIAL)
+            y = fp8_row_sums(acc3, ws, xs3, BLOCK_SCALED)
+            store_row(C, BIAS, y, 3, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS_BIAS, PARTIAL)
 
     @triton.jit
     def int4_gemv_kernel(X, P, S, Z, C, BIAS, M, N, K, k_split, stride_xm, stride_pk, stride_sk, stride_zk,
@@ -212,6 +230,21 @@ def fp8_gemv_candidates(rows: int) -> list[GemvConfig]:
             GemvConfig(32, tile // 32, 2), GemvConfig(8, tile // 8, 4), GemvConfig(16, tile // 16, 8)]
 
 
+def fp8_block_gemv_candidates(rows: int, block: tuple[int, int]) -> list[GemvConfig]:
+    """Configurations for FP8 weights with (bn, bk) blocks: a step is one K group or a part of it
+    (bk's largest power-of-2 divisor, up to 256) and a program's columns lie in one block (bn's
+    largest power-of-2 divisor, up to 64), so each step's scales multiply its activations only.
+    The same weights a thread as per channel; none where a 16-byte load would cross a group."""
+    step = min(256, block[1] & -block[1])
+    widest = min(64, block[0] & -block[0])
+    if step < 16:
+        return []
+    bn = min(widest, (4096 if rows <= 2 else 2048) // step)
+    return list(dict.fromkeys(
+        [GemvConfig(bn, step), GemvConfig(bn, step, 2), GemvConfig(bn, step, 4), GemvConfig(bn, step, 8),
+         GemvConfig(max(1, bn // 2), step, 4), GemvConfig(max(1, bn // 2), step, 8)]))
+
+
 def int4_group_supported(group: int) -> bool:
     """The int4 kernel takes a group a step: group / 8 packed rows, a power of 2 up to 32."""
     rows = group // 8
@@ -256,26 +289,44 @@ def _finish(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
              out_dtype: torch.dtype, config: GemvConfig) -> torch.Tensor:
     """quant(x) @ W^T (+ bias) for x [M, K] (M <= GEMV_MAX_ROWS, bf16/fp16/fp32, quantised per token
-    by ``fp8_quantize``'s kernel first), ``weight`` fp8 [N, K]
-    K-contiguous, ``scale`` float32 [N]. Returns [M, N] in out_dtype."""
-    rows, k = x.shape
+    by ``fp8_quantize``'s kernel first), ``weight`` fp8 [N, K] K-contiguous, ``scale`` float32 [N].
+    Returns [M, N] in out_dtype."""
+    if x.shape[0] > GEMV_MAX_ROWS:
+        raise ValueError(f"the matrix-vector kernels take at most {GEMV_MAX_ROWS} rows, got {x.shape[0]}")
+    xq, xs = quantize_per_token(x)
+    return fp8_gemv_quantised(xq, xs, weight, scale, bias, out_dtype, config)
+
+
+def fp8_gemv_quantised(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype, config: GemvConfig,
+                       block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The product of already quantised activations, as ``quant_matmul.fp8_gemm``: ``xq`` e4m3
+    [M, K] with ``xs`` float32 [M, 1] and ``scale`` [N] (``block`` None), or ``xs`` [M, cdiv(K, bk)]
+    and ``scale`` [cdiv(N, bn), cdiv(K, bk)] for ``block`` = (bn, bk), which the tile
+    (``config.block_n`` x ``config.block_k``) must divide. Returns [M, N] in out_dtype."""
+    rows, k = xq.shape
     n = weight.shape[0]
     if rows > GEMV_MAX_ROWS:
         raise ValueError(f"the matrix-vector kernels take at most {GEMV_MAX_ROWS} rows, got {rows}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
+    if block is not None and (block[1] % config.block_k or block[0] % config.block_n):
+        raise ValueError(f"a {config.block_n}x{config.block_k} tile must divide the weight blocks "
+                         f"({block[0]}x{block[1]}): a step takes one block's scale")
+    if xq.stride(-1) != 1:
+        xq = xq.contiguous()
+    out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
     if rows == 0:
         return out
     splits, per = _split(k, config.block_k, config.split_k)
     target = _target(splits, out)
     grid = (-(-n // config.block_n), splits)
-    x, xs = quantize_per_token(x)
-    _kernels()[0][grid](x, xs, weight, scale, target, bias if bias is not None else out, rows, n, k, per,
-                        x.stride(0), weight.stride(0), target.stride(0) if splits > 1 else 0, target.stride(-2),
-                        ROWS=next_pow2(rows), BLOCK_N=config.block_n,
-                        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0 and per % config.block_k == 0,
-                        HAS_BIAS=bias is not None, PARTIAL=splits > 1, num_warps=config.num_warps)
+    group_n, group_k = block if block is not None else (1, k)
+    _kernels()[0][grid](xq, xs, weight, scale, target, bias if bias is not None else out, rows, n, k, per,
+                        xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0) if block is not None else 0,
+                        target.stride(0) if splits > 1 else 0, target.stride(-2), group_n, group_k,
+                        ROWS=next_pow2(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                        EVEN_K=k % config.block_k == 0 and per % config.block_k == 0,
+                        BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
+                        num_warps=config.num_warps)
     _finish(target, bias, out, splits)
     return out
 

@@ -19,7 +19,8 @@ What runs where:
   activations times the dequantised weight in float32.
 - ``fp8_block_linear``: the Triton kernel with per-token-group activation scales (the group is the
   weight block's K width): each K tile's product is scaled by a_scale[m] * w_scale[n // bn] before
-  it is accumulated. Without a kernel: the same in torch.
+  it is accumulated; for 1-4 rows also ``quant_gemv``'s matrix-vector kernel, whichever is faster.
+  Without a kernel: the same in torch.
 - ``int4_linear``: below ``INT4_DEQUANT_MIN_ROWS`` rows one Triton kernel, split over K for few
   rows (decode reads 0.5 byte per weight; the split keeps every SM busy), tiled for more. Each K
   tile (inside one group) is dot(x, q - z) in the activation dtype (exact: small integers; the
@@ -449,7 +450,8 @@ def candidates_for(key: tuple) -> list[Config]:
         extra = quant_gemv.fp8_gemv_candidates(bucket) if gemv and kind == "fp8" else []
         return fp8_candidates(bucket) + extra
     if kind == "fp8-block" and len(key) == 7:
-        return fp8_candidates(bucket, _block_k_max(key[6]))
+        extra = quant_gemv.fp8_block_gemv_candidates(bucket, (key[5], key[6])) if gemv else []
+        return fp8_candidates(bucket, _block_k_max(key[6])) + extra
     if kind in ("int4", "int4-mma") and len(key) == 7:
         extra = quant_gemv.int4_gemv_candidates(bucket, key[4]) if gemv and kind == "int4" else []
         return int4_candidates(bucket, key[4]) + extra
@@ -525,7 +527,7 @@ def _disagreement(out: object, reference: object) -> str | None:
 
 def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, block: tuple[int, int] | None = None,
-             config: GemmConfig | None = None) -> torch.Tensor:
+             config: Config | None = None) -> torch.Tensor:
     """The Triton FP8 kernel on already quantised activations: ``xq`` fp8 [M, K] with ``xs`` float32
     [M, 1] (``block`` None: per-channel ``scale`` [N]) or [M, cdiv(K, bk)] (``block`` (bn, bk):
     ``scale`` [cdiv(N, bn), cdiv(K, bk)]). Returns [M, N] in ``out_dtype``."""
@@ -539,6 +541,8 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: to
             ("fp8-block", _m_bucket(rows), n, k, str(out_dtype), int(block[0]), int(block[1]))
         config = _choose(key, candidates_for(key),
                          lambda c: fp8_gemm(xq, xs, weight, scale, bias, out_dtype, block, c))
+    if isinstance(config, quant_gemv.GemvConfig):  # (block-scaled weights, 1-4 rows)
+        return quant_gemv.fp8_gemv_quantised(xq, xs, weight, scale, bias, out_dtype, config, block)
     if block is not None and block[1] % config.block_k:
         raise ValueError(f"block_k {config.block_k} must divide the weight block's K width {block[1]}")
     out = torch.empty((rows, n), dtype=out_dtype, device=xq.device)
@@ -633,7 +637,7 @@ def fp8_triton(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
                out_dtype: torch.dtype, config: Config | None = None) -> torch.Tensor:
     """The Triton FP8 product of x2 [M, K] (unquantised): the choice of key ("fp8", ...) between the
     quantiser followed by the tensor-core kernel and, for at most ``GEMV_MAX_ROWS`` rows, the
-    matrix-vector kernel that quantises inside (one launch), each timed whole."""
+    quantiser followed by the matrix-vector kernel, each timed whole."""
     if config is None:
         rows, k = x2.shape
         key = ("fp8", _m_bucket(rows), weight.shape[0], k, str(out_dtype))
@@ -646,7 +650,7 @@ def fp8_triton(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, *,
-                     config: GemmConfig | None = None) -> torch.Tensor:
+                     config: Config | None = None) -> torch.Tensor:
     """y = quant(x) @ W^T (+ bias) for an FP8 weight with block scales: ``weight`` fp8 [N, K],
     ``scale`` float32 [cdiv(N, bn), cdiv(K, bk)] for ``block`` = (bn, bk); x [..., K] is quantised
     per token and group of bk columns. The Triton kernel where one can run (bk must then have a
