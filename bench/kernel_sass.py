@@ -6,9 +6,9 @@ SASS counted per weight.
                                  [--dump DIR]
 
 For every launch configuration the shape's choice would time (``fp8_gemv_candidates``,
-``fp8_block_gemv_candidates`` for 128x128 weight blocks, ``int4_gemv_candidates``): registers a thread, shared memory, spills (``cuobjdump -res-usage``), the
-instructions of the longest loop in the SASS (``nvdisasm``) and their count per weight the loop
-streams, and the most frequent opcodes. Arguments are specialised as the JIT does on the
+``fp8_block_gemv_candidates`` for 128x128 weight blocks, ``int4_gemv_candidates``): registers a
+thread, shared memory, spills (``cuobjdump -res-usage``), the instructions of the longest loop in
+the SASS (``nvdisasm``) and their count per weight the loop streams, and the most frequent opcodes. Arguments are specialised as the JIT does on the
 Qwen2.5-VL-7B shapes (16-byte aligned pointers, integers divisible by 16, one row a constant).
 
 It is a diagnostic, not a timing. It answers the questions a timing cannot point at: whether a

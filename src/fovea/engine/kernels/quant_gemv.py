@@ -1,6 +1,7 @@
 """Matrix-vector products with quantised weights for decode (1-4 rows): FP8 per channel with
-dynamic per-token activations, and 4-bit integers with group scales (W4A16). Same layouts and
-semantics as ``quant_matmul``'s kernels (its docstring), other arithmetic:
+dynamic per-token activations, FP8 with block scales and per-token-group activations, and 4-bit
+integers with group scales (W4A16). Same layouts and semantics as ``quant_matmul``'s kernels (its
+docstring), other arithmetic:
 
 - no matrix instructions: a program holds ``BLOCK_N`` output columns and multiplies-and-adds its
   weights in float32 registers while they stream in; one launch per product (FP8: after the
@@ -12,19 +13,22 @@ semantics as ``quant_matmul``'s kernels (its docstring), other arithmetic:
   shared memory on every step, which the first version of these kernels did: 7.6 (FP8) and 9.3
   (int4) sm_90 instructions a weight, against 4.0 and 4.5 now, counted in the SASS that triton
   3.9 and ptxas write for the 1-row kernels; ``bench/kernel_sass.py``).
-- FP8: the activations quantised per token by ``fp8_quantize``'s launch; x is read as a tile of
-  broadcast pointers in W's layout, so each x is loaded and converted once for the W rows a
-  thread holds beside it. The products of two e4m3 values are exact in float32.
+- FP8: the activations quantised by ``fp8_quantize``'s launch; x is read as a tile of broadcast
+  pointers in W's layout, so each x is loaded and converted once for the W rows a thread holds
+  beside it. The products of two e4m3 values are exact in float32. Block-scaled weights: a step
+  lies in one K group and a program's columns in one weight block, so the step's two scales
+  multiply its activations (5.3 instructions a weight).
 - int4 (bf16/fp16 activations): a code q becomes the float32 128 + q from its bits ((q << 16) |
   0x43000000; no conversion instruction), multiplied by x exactly (8 + 8 or 11 + 8 significant bits)
   and summed over a thread's packed rows; the zero point is taken off once per group, column and
-  packed row as (128 + z) * sum(x over the packed row) (``quant_matmul``'s FOLD: the float32 sums carry terms at most
-  143/1 times the exact ones', a relative 2^-24 * 143 < 2^-16, below bf16's and fp16's output
-  rounding). With float32 activations the codes are 2^23 + q less 2^23 + z, exact, before the product.
+  packed row as (128 + z) * sum(x over the packed row) (``quant_matmul``'s FOLD: the float32 sums
+  carry terms at most 143/1 times the exact ones', a relative 2^-24 * 143 < 2^-16, below bf16's
+  and fp16's output rounding). With float32 activations the codes are 2^23 + q less 2^23 + z,
+  exact, before the product.
 
 Launch configurations are chosen per shape on first use by timing (``quant_matmul._choose``).
 triton is imported lazily. Checked against the dequantised reference by the tests (the CPU
-interpreter) and on the GPU by ``python3 bench/quant_matmul.py --impls fp8_gemv,int4_gemv``.
+interpreter) and on the GPU by ``python3 bench/quant_matmul.py --impls fp8_gemv,fp8_block,int4_gemv``.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ store_row = fp8_activations = fp8_row_sums = int4_code = int4_products = int4_fo
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int  # output columns per program
-    block_k: int  # FP8: weight columns per step; int4: packed rows (8 weights each) per step
+    block_k: int  # FP8: weight columns per step; int4: packed rows (8 weights each) per step: a group's
     split_k: int = 1  # programs along K (partials summed by a second launch)
     num_warps: int = 4
 
