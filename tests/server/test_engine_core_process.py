@@ -304,6 +304,26 @@ def served_by(log: Path, what: str) -> tuple[int, int]:
     return len(lines) - further, further
 
 
+def serve_logged(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """``fovea serve`` on CPU (no canary) with ``flags``, its output in ``log`` (the access lines
+    ``served_by`` reads); the process and its base URL."""
+    port = free_port()
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--device", "cpu", "--port", str(port),
+                                    "--no-canary", *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    return process, f"http://127.0.0.1:{port}"
+
+
+def terminate(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=30)
+
+
 def chat_total(metrics_text: str) -> float:
     prefix = 'fovea_requests_total{route="/v1/chat/completions",status="200"} '
     return sum(float(line.removeprefix(prefix)) for line in metrics_text.splitlines() if line.startswith(prefix))
@@ -319,12 +339,7 @@ def test_two_api_processes_feed_one_core_and_one_dying_loses_nothing_else(tmp_pa
     """Ready only once both API processes serve; /metrics, whichever process answers it, counts
     the requests of both (and of one that died since); a dead one is replaced."""
     log = tmp_path / "server.log"
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--device", "cpu", "--port", str(port),
-                                    "--no-canary", "--api-server-count", "2"], cwd=ROOT, stdout=out,
-                                   stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    process, base = serve_logged(log, "--api-server-count", "2")
     try:
         wait_ready(process, base)
         health = httpx.get(base + "/health", timeout=10).json()
@@ -399,13 +414,7 @@ def test_every_api_process_checks_the_api_key(tmp_path):
     """--api-key with --api-server-count 2: whichever process takes a connection refuses a request
     without the key (401, invalid_api_key) and answers one with it."""
     log = tmp_path / "server.log"
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--device", "cpu", "--port", str(port),
-                                    "--no-canary", "--api-server-count", "2", "--api-key", "sesame"], cwd=ROOT,
-                                   stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    process, base = serve_logged(log, "--api-server-count", "2", "--api-key", "sesame")
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1, "temperature": 0}
     try:
         wait_ready(process, base)  # /health is open: load balancers probe it without credentials
@@ -421,12 +430,7 @@ def test_every_api_process_checks_the_api_key(tmp_path):
                 tries += 1
             assert min(served_by(log, what)) > 0, f"one API process took every {what}"
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
+        terminate(process)
 
 
 def test_more_api_processes_need_the_engine_core_in_its_own_process():
@@ -464,13 +468,7 @@ def test_e_pd_with_two_api_processes_answers_images_as_agg(tmp_path, thread_serv
     """--topology e_pd --api-server-count 2: both API processes hand images to the one core, whose
     encode worker makes their embeddings; the greedy answers equal an in-process agg engine's."""
     log = tmp_path / "server.log"
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--device", "cpu", "--port", str(port),
-                                    "--no-canary", "--topology", "e_pd", "--api-server-count", "2"], cwd=ROOT,
-                                   stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    process, base = serve_logged(log, "--topology", "e_pd", "--api-server-count", "2")
     colors = [(220, 30, 30), (30, 200, 40), (30, 30, 220)]
     bodies = [{"messages": chat("What color is the circle?", color), "max_tokens": 4, "temperature": 0}
               for color in colors]
@@ -491,9 +489,4 @@ def test_e_pd_with_two_api_processes_answers_images_as_agg(tmp_path, thread_serv
             assert time.monotonic() < deadline, handoff
             time.sleep(0.1)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
+        terminate(process)
