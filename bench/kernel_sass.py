@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
 import subprocess
 import sys
@@ -183,7 +182,6 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     missing = tools_missing()
     if missing:
         print(f"kernel_sass: {missing}", file=sys.stderr)
