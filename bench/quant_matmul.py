@@ -334,6 +334,8 @@ def sweep(impl: str, x: torch.Tensor, wts: list[Weights], reps: int) -> None:
                  for c in cands[:1] for s in (1, 2, 4, 8) if c.split_k == 0]
         if impl == "fp8_triton":
             extra = [c for c in fp8_grid(rows) if c not in cands] or extra
+        if impl == "fp8_block" and rows <= quant_gemv.GEMV_MAX_ROWS:  # the block-scaled matrix-vector kernel
+            extra += quant_gemv.fp8_block_gemv_candidates(rows, BLOCK)
     extra = [c for c in extra if c not in cands]
     for c in cands + extra:
         try:
