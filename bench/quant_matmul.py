@@ -316,7 +316,7 @@ def gemv_grid(impl: str, rows: int) -> list:
     int4 kernel takes a group a step)."""
     if rows > quant_gemv.GEMV_MAX_ROWS:
         return []
-    tile = 4096 if rows <= 2 else 2048  # weights a 4-warp step: 32 (16) a thread, as the candidates
+    tile = quant_gemv.fp8_tile(rows)  # weights a 4-warp step, as the candidates
     if impl == "fp8_gemv":
         return [quant_gemv.GemvConfig(bn, tile * warps // 4 // bn, split, warps)
                 for bn in (8, 16, 32, 64) for warps in (4, 8) for split in (1, 2, 4, 8)]

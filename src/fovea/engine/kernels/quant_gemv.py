@@ -224,12 +224,17 @@ def _kernels():
     return fp8_gemv_kernel, int4_gemv_kernel
 
 
+def fp8_tile(rows: int) -> int:
+    """Weights a 4-warp FP8 program streams a step: 32 a thread (two 16-byte loads) up to 2 rows,
+    16 at 3-4 (its accumulators are rows times that: ~200 registers at 4 rows and 32)."""
+    return 4096 if rows <= 2 else 2048
+
+
 def fp8_gemv_candidates(rows: int) -> list[GemvConfig]:
     """FP8 configurations timed for ``rows`` (<= GEMV_MAX_ROWS) rows; the first is the default.
-    A 4-warp thread holds 32 weights a step (16 at 3-4 rows: its accumulators are rows times that,
-    ~200 registers at 4 rows and 32), two 16-byte loads of W for one of x. Splitting K fills the GPU
-    where N is small (qkv, o and down give 224-288 programs of 16 columns for 132 SMs)."""
-    tile = 4096 if rows <= 2 else 2048
+    ``fp8_tile`` weights a step. Splitting K fills the GPU where N is small (qkv, o and down give
+    224-288 programs of 16 columns for 132 SMs)."""
+    tile = fp8_tile(rows)
     return [GemvConfig(16, tile // 16), GemvConfig(16, tile // 16, 2), GemvConfig(16, tile // 16, 4),
             GemvConfig(32, tile // 32, 2), GemvConfig(8, tile // 8, 4), GemvConfig(16, tile // 16, 8)]
 
@@ -243,7 +248,7 @@ def fp8_block_gemv_candidates(rows: int, block: tuple[int, int]) -> list[GemvCon
     widest = min(64, block[0] & -block[0])
     if step < 16:
         return []
-    bn = min(widest, (4096 if rows <= 2 else 2048) // step)
+    bn = min(widest, fp8_tile(rows) // step)
     return list(dict.fromkeys(
         [GemvConfig(bn, step), GemvConfig(bn, step, 2), GemvConfig(bn, step, 4), GemvConfig(bn, step, 8),
          GemvConfig(max(1, bn // 2), step, 4), GemvConfig(max(1, bn // 2), step, 8)]))
