@@ -120,8 +120,9 @@ def int4_case(rows: int, config, group: int) -> tuple[dict, dict, int]:
     signature = {"X": "*bf16", "P": "*i32", "S": "*bf16", "Z": "*bf16", "C": "*bf16", "BIAS": "*bf16",
                  "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32", "stride_pk": "i32",
                  "stride_sk": "i32", "stride_zk": "i32", "stride_cs": "i32", "stride_cm": "i32",
-                 "code_mask": "i32", "GROUP": "constexpr", "HAS_ZEROS": "constexpr", "HAS_BIAS": "constexpr",
-                 "PARTIAL": "constexpr", "FOLD": "constexpr", "ROWS": "constexpr", "BLOCK_N": "constexpr"}
+                 "low_mask": "i32", "high_mask": "i32", "GROUP": "constexpr", "HAS_ZEROS": "constexpr",
+                 "HAS_BIAS": "constexpr", "PARTIAL": "constexpr", "FOLD": "constexpr", "ROWS": "constexpr",
+                 "BLOCK_N": "constexpr"}
     constants = {"GROUP": group, "HAS_ZEROS": True, "HAS_BIAS": False, "PARTIAL": config.split_k > 1,
                  "FOLD": True, "ROWS": rows, "BLOCK_N": config.block_n}
     return signature, constants, config.block_n * group

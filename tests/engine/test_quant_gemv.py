@@ -70,8 +70,9 @@ def test_fp8_block_gemv_scales_each_step_by_its_blocks(rows):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("with_zeros", [True, False])
 def test_int4_gemv_equals_the_dequantised_product(dtype, with_zeros):
-    """bf16/fp16 take the zero points off once per group (the codes as 128 + q); float32 off each
-    weight. Rows 1 and 3, group 64 and 128, split over K, N not a multiple of the tile, a bias."""
+    """bf16/fp16 take the zero points off once per group (the codes as 256 + q and 16 + q, every
+    code of the packed int32 in turn); float32 off each weight. Rows 1, 2 and 3, groups 32, 64 and
+    128, split over K, N not a multiple of the tile, a bias."""
     from fovea.engine.kernels.quant_gemv import GemvConfig, int4_gemv
 
     n, k = 40, 512

@@ -11,20 +11,23 @@ docstring), other arithmetic:
 - every row of x has its own 2-D tile of float32 sums, one value per weight a thread holds,
   reduced once after the loop (up to 4 named tiles: a [rows, ...] 3-D tile is re-laid out through
   shared memory on every step, which the first version of these kernels did: 7.6 (FP8) and 9.3
-  (int4) sm_90 instructions a weight, against 4.0 and 4.5 now, counted in the SASS that triton
+  (int4) sm_90 instructions a weight, against 4.0 and 4.3 now, counted in the SASS that triton
   3.9 and ptxas write for the 1-row kernels; ``bench/kernel_sass.py``).
 - FP8: the activations quantised by ``fp8_quantize``'s launch; x is read as a tile of broadcast
   pointers in W's layout, so each x is loaded and converted once for the W rows a thread holds
   beside it. The products of two e4m3 values are exact in float32. Block-scaled weights: a step
   lies in one K group and a program's columns in one weight block, so the step's two scales
   multiply its activations (5.3 instructions a weight).
-- int4 (bf16/fp16 activations): a code q becomes the float32 128 + q from its bits ((q << 16) |
-  0x43000000; no conversion instruction), multiplied by x exactly (8 + 8 or 11 + 8 significant bits)
-  and summed over a thread's packed rows; the zero point is taken off once per group, column and
-  packed row as (128 + z) * sum(x over the packed row) (``quant_matmul``'s FOLD: the float32 sums
-  carry terms at most 143/1 times the exact ones', a relative 2^-24 * 143 < 2^-16, below bf16's
-  and fp16's output rounding). With float32 activations the codes are 2^23 + q less 2^23 + z,
-  exact, before the product.
+- int4 (bf16/fp16 activations): one shift brings a byte of a packed int32 to bits 15..22, and
+  one LOP3 each makes its two codes the float32 256 + q and 16 + q (``int4_codes.int4_pair``; no
+  conversion instruction), multiplied by x exactly (at most 9 + 8 or 9 + 11 significant bits) and
+  summed over a thread's packed rows from minus the codes' offsets, sum_j x_j (z + 256 or 16),
+  made once per group, column and packed row (``int4_start``: the float32 sums carry terms at
+  most 271 times the exact ones', a relative 2^-24 * 271 < 2^-15, below bf16's and fp16's output
+  rounding). With float32 activations the codes are 2^23 + q less 2^23 + z, exact, before the
+  product. Its pointers step a group at a time. 4.3 instructions a weight at 1 row (64 columns a
+  program; 4.0 with 128), against 4.95 and 4.5 with a shift a code, the offsets taken off after
+  the products and the addresses recomputed from the group's index.
 
 Launch configurations are chosen per shape on first use by timing (``quant_matmul._choose``).
 triton is imported lazily. Checked against the dequantised reference by the tests (the CPU
@@ -44,14 +47,16 @@ from fovea.engine.kernels.triton_util import next_pow2
 
 GEMV_MAX_ROWS = 4  # products of at most this many rows may take these kernels
 MAX_SPLIT_K = 8
-# Where the int4 code sits in a float32 under 128's exponent. Passed as an argument, not written in
-# the kernel: as a literal, ptxas re-materialises it before every LOP3 (which takes one immediate),
-# ~0.6 more instructions a weight (sm_90 SASS of the 1-row kernel: 5.6 against 5.0).
-CODE_MASK = 0xF0000
+# Where int4_codes.int4_pair finds its two codes once their byte is shifted to bits 15..22 (bit 23 is
+# the exponent's lowest). Passed to the kernel as values, not written in it: as literals, ptxas
+# re-materialises them before every LOP3 (which takes one immediate): ~0.6 more instructions a
+# weight in the one-code-a-shift version (5.6 against 5.0).
+LOW_CODE_MASK = 0x78000  # bits 15..18: units of the mantissa under 256's exponent
+HIGH_CODE_MASK = 0x780000  # bits 19..22: units under 16's
 
 # bound by _kernels() (epilogue, fp8_gemv_parts, int4_codes): module globals, where triton's interpreter
 # looks a kernel's names up
-store_row = fp8_activations = fp8_row_sums = int4_code = int4_products = int4_fold = None
+store_row = fp8_activations = fp8_row_sums = int4_pair = int4_exact_pair = int4_start = None
 
 
 @dataclass(frozen=True)
@@ -72,10 +77,11 @@ def _kernels():
 
     from fovea.engine.kernels import epilogue, fp8_gemv_parts, int4_codes
 
-    global store_row, fp8_activations, fp8_row_sums, int4_code, int4_products, int4_fold
+    global store_row, fp8_activations, fp8_row_sums, int4_pair, int4_exact_pair, int4_start
     store_row = epilogue.store_row
     fp8_activations, fp8_row_sums = fp8_gemv_parts.fp8_activations, fp8_gemv_parts.fp8_row_sums
-    int4_code, int4_products, int4_fold = int4_codes.int4_code, int4_codes.int4_products, int4_codes.int4_fold
+    int4_pair, int4_exact_pair, int4_start = (int4_codes.int4_pair, int4_codes.int4_exact_pair,
+                                              int4_codes.int4_start)
 
     @triton.jit
     def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_xs, stride_wn, stride_ws,
@@ -152,14 +158,15 @@ def _kernels():
 
     @triton.jit
     def int4_gemv_kernel(X, P, S, Z, C, BIAS, M, N, K, k_split, stride_xm, stride_pk, stride_sk, stride_zk,
-                         stride_cs, stride_cm, code_mask, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, FOLD: tl.constexpr, ROWS: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         stride_cs, stride_cm, low_mask, high_mask, GROUP: tl.constexpr,
+                         HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                         FOLD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
         # C[m, n] = sum_k x[m, k] (q[k, n] - z[g, n]) s[g, n], g = k // GROUP; packed [K / 8, N] (bits
         # 4j..4j+3 of row i: k = 8i + j); a group (GROUP / 8 packed rows, a power of 2) per step, and
         # k_split a multiple of GROUP. Every thread keeps float32 sums for its own packed rows and
-        # columns (a 2-D tile a row of x, as the FP8 kernel), folds the group's zero point and scale
-        # into them at the group's end, and the tile is reduced over the packed rows once, after the loop.
+        # columns (a 2-D tile a row of x, as the FP8 kernel), starts a group's from minus its
+        # offsets, scales them into the tile at the group's end, and the tile is reduced over the
+        # packed rows once, after the loop.
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -174,42 +181,56 @@ def _kernels():
         acc1 = tl.zeros([GROUP // 8, BLOCK_N], tl.float32)
         acc2 = tl.zeros([GROUP // 8, BLOCK_N], tl.float32)
         acc3 = tl.zeros([GROUP // 8, BLOCK_N], tl.float32)
-        for g0 in range(k_start, k_end, GROUP):
-            g = g0 // GROUP
-            s = tl.load(S + g * stride_sk + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        # pointers stepped a group at a time (recomputed from the group's index they cost ~0.5
+        # instructions a weight in address arithmetic)
+        g_start = k_start // GROUP
+        s_ptrs = S + g_start * stride_sk + offs_n
+        z_ptrs = Z + g_start * stride_zk + offs_n
+        p_ptrs = P + (k_start // 8 + offs_p).to(tl.int64)[:, None] * stride_pk + offs_n[None, :]
+        x_ptrs = X + k_start + 8 * offs_p
+        for _ in range(k_start, k_end, GROUP):
+            s = tl.load(s_ptrs, mask=n_ok, other=0.0).to(tl.float32)
             if HAS_ZEROS:
-                z = tl.load(Z + g * stride_zk + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+                z = tl.load(z_ptrs, mask=n_ok, other=0.0).to(tl.float32)
             else:
                 z = tl.full([BLOCK_N], 8.0, tl.float32)
             # the group's packed rows in one step; x read in the slice of p's layout (one load per
             # packed row and code, used for the thread's columns)
-            p = tl.load(P + (g0 // 8 + offs_p).to(tl.int64)[:, None] * stride_pk + offs_n[None, :],
-                        mask=n_ok[None, :], other=0, eviction_policy="evict_first")
-            x_ptrs = X + g0 + 8 * offs_p
-            w = int4_code(p, 0, FOLD, z, code_mask)
-            part0, xs0 = int4_products(w, x_ptrs, x_ptrs, x_ptrs, True)
+            p = tl.load(p_ptrs, mask=n_ok[None, :], other=0, eviction_policy="evict_first")
+            xs0, part0 = int4_start(x_ptrs, z, FOLD)
             if ROWS > 1:
-                part1, xs1 = int4_products(w, x_ptrs + x1, x_ptrs, x_ptrs, True)
+                xs1, part1 = int4_start(x_ptrs + x1, z, FOLD)
             if ROWS > 2:
-                part2, xs2 = int4_products(w, x_ptrs + x2, x_ptrs, x_ptrs, True)
+                xs2, part2 = int4_start(x_ptrs + x2, z, FOLD)
             if ROWS > 3:
-                part3, xs3 = int4_products(w, x_ptrs + x3, x_ptrs, x_ptrs, True)
-            for j in tl.static_range(1, 8):
-                w = int4_code(p, j, FOLD, z, code_mask)
-                part0, xs0 = int4_products(w, x_ptrs + j, part0, xs0, False)
+                xs3, part3 = int4_start(x_ptrs + x3, z, FOLD)
+            for b in tl.static_range(4):
+                if FOLD:
+                    low, high = int4_pair(p, b, low_mask, high_mask)
+                else:
+                    low, high = int4_exact_pair(p, b, z)
+                part0 = part0 + low * xs0[2 * b][:, None]
+                part0 = part0 + high * xs0[2 * b + 1][:, None]
                 if ROWS > 1:
-                    part1, xs1 = int4_products(w, x_ptrs + x1 + j, part1, xs1, False)
+                    part1 = part1 + low * xs1[2 * b][:, None]
+                    part1 = part1 + high * xs1[2 * b + 1][:, None]
                 if ROWS > 2:
-                    part2, xs2 = int4_products(w, x_ptrs + x2 + j, part2, xs2, False)
+                    part2 = part2 + low * xs2[2 * b][:, None]
+                    part2 = part2 + high * xs2[2 * b + 1][:, None]
                 if ROWS > 3:
-                    part3, xs3 = int4_products(w, x_ptrs + x3 + j, part3, xs3, False)
-            acc0 = int4_fold(acc0, part0, xs0, z, s, FOLD)
+                    part3 = part3 + low * xs3[2 * b][:, None]
+                    part3 = part3 + high * xs3[2 * b + 1][:, None]
+            acc0 += part0 * s[None, :]
             if ROWS > 1:
-                acc1 = int4_fold(acc1, part1, xs1, z, s, FOLD)
+                acc1 += part1 * s[None, :]
             if ROWS > 2:
-                acc2 = int4_fold(acc2, part2, xs2, z, s, FOLD)
+                acc2 += part2 * s[None, :]
             if ROWS > 3:
-                acc3 = int4_fold(acc3, part3, xs3, z, s, FOLD)
+                acc3 += part3 * s[None, :]
+            s_ptrs += stride_sk
+            z_ptrs += stride_zk
+            p_ptrs += (GROUP // 8) * stride_pk
+            x_ptrs += GROUP
         store_row(C, BIAS, tl.sum(acc0, axis=0), 0, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS_BIAS, PARTIAL)
         if ROWS > 1:
             store_row(C, BIAS, tl.sum(acc1, axis=0), 1, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS_BIAS,
@@ -363,9 +384,9 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
     _kernels()[1][grid](x, packed, scales, zeros if zeros is not None else scales, target,
                         bias if bias is not None else out, rows, n, k, per, x.stride(0), packed.stride(0),
                         scales.stride(0), zeros.stride(0) if zeros is not None else 0,
-                        target.stride(0) if splits > 1 else 0, target.stride(-2), CODE_MASK, GROUP=group,
-                        HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-                        FOLD=x.dtype != torch.float32, ROWS=next_pow2(rows), BLOCK_N=config.block_n,
+                        target.stride(0) if splits > 1 else 0, target.stride(-2), LOW_CODE_MASK,
+                        HIGH_CODE_MASK, GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+                        PARTIAL=splits > 1, FOLD=x.dtype != torch.float32, ROWS=next_pow2(rows), BLOCK_N=config.block_n,
                         num_warps=config.num_warps)
     _finish(target, bias, out, splits)
     return out
