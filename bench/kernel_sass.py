@@ -108,10 +108,11 @@ def fp8_case(rows: int, config, block_scaled: bool = False) -> tuple[dict, dict,
     signature = {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "C": "*bf16", "BIAS": "*bf16",
                  "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32", "stride_xs": "i32",
                  "stride_wn": "i32", "stride_ws": "i32", "stride_cs": "i32", "stride_cm": "i32", "group_n": "i32",
-                 "group_k": "i32", "ROWS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                 "GROUP_K": "constexpr", "ROWS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                  "EVEN_K": "constexpr", "BLOCK_SCALED": "constexpr", "HAS_BIAS": "constexpr",
                  "PARTIAL": "constexpr"}
-    constants = {"ROWS": rows, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": True,
+    constants = {"GROUP_K": 128 if block_scaled else 1, "ROWS": rows, "BLOCK_N": config.block_n,
+                 "BLOCK_K": config.block_k, "EVEN_K": True,
                  "BLOCK_SCALED": block_scaled, "HAS_BIAS": False, "PARTIAL": config.split_k > 1}
     return signature, constants, config.block_n * config.block_k  # weights a loop step streams
 

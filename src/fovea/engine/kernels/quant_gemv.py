@@ -17,7 +17,8 @@ docstring), other arithmetic:
   pointers in W's layout, so each x is loaded and converted once for the W rows a thread holds
   beside it. The products of two e4m3 values are exact in float32. Block-scaled weights: a step
   lies in one K group and a program's columns in one weight block, so the step's two scales
-  multiply its activations (5.3 instructions a weight).
+  multiply its activations (4.7 instructions a weight; the K group is a constant, so a step's group
+  index is a shift).
 - int4 (bf16/fp16 activations): one shift brings a byte of a packed int32 to bits 15..22, and
   one LOP3 each makes its two codes the float32 256 + q and 16 + q (``int4_codes.int4_pair``; no
   conversion instruction), multiplied by x exactly (at most 9 + 8 or 9 + 11 significant bits) and
@@ -85,15 +86,16 @@ def _kernels():
 
     @triton.jit
     def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_xs, stride_wn, stride_ws,
-                        stride_cs, stride_cm, group_n, group_k, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        stride_cs, stride_cm, group_n, GROUP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
                         HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
         # C[m, n] = sum_k xq[m, k] W[n, k] * xs[m] * ws[n]: xq e4m3 activations with their per-row
         # scales xs [M, 1] (the quantiser's), W e4m3 [N, K] with per-channel scales ws [N]. With
-        # BLOCK_SCALED, xs is [M, K / group_k] and ws [N / group_n, K / group_k]: a step lies in one K
-        # group (BLOCK_K divides group_k) and a program's columns in one weight block (BLOCK_N divides
-        # group_n), so both of a step's scales multiply its activations, not each weight. One 2-D tile of
-        # float32 partial sums a row of x (ROWS <= 4 named accumulators: a [ROWS, N, K] tile would be
+        # BLOCK_SCALED, xs is [M, K / GROUP_K] and ws [N / group_n, K / GROUP_K]: a step lies in one K
+        # group (BLOCK_K divides GROUP_K, a constant, so a step's group is a shift, not a division)
+        # and a program's columns in one weight block (BLOCK_N divides group_n), so both of a step's
+        # scales multiply its activations, not each weight. One 2-D tile of float32 partial sums a
+        # row of x (ROWS <= 4 named accumulators: a [ROWS, N, K] tile would be
         # re-laid out through shared memory on every step), reduced over K once, after the loop.
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
@@ -126,7 +128,7 @@ def _kernels():
                 k_ok = (k0 + offs_k) < k_end
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
             w = w.to(tl.float32)
-            g = k0 // group_k
+            g = k0 // GROUP_K
             if BLOCK_SCALED:  # the program's columns lie in one weight block: its scale for this K group
                 sw = tl.load(WS + (pid_n * BLOCK_N // group_n) * stride_ws + g)
             else:
@@ -349,7 +351,7 @@ def fp8_gemv_quantised(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
     splits, per = _split(k, config.block_k, config.split_k)
     target = _target(splits, out)
     grid = (-(-n // config.block_n), splits)
-    group_n, group_k = block if block is not None else (1, k)
+    group_n, group_k = block if block is not None else (1, 1)  # per channel: no group index is read
     _kernels()[0][grid](xq, xs, weight, scale, target, bias if bias is not None else out, rows, n, k, per,
                         xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0) if block is not None else 0,
                         target.stride(0) if splits > 1 else 0, target.stride(-2), group_n, group_k,
