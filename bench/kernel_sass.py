@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import re
 import subprocess
 import sys
@@ -110,10 +111,10 @@ def fp8_case(rows: int, config, block_scaled: bool = False) -> tuple[dict, dict,
                  "stride_wn": "i32", "stride_ws": "i32", "stride_cs": "i32", "stride_cm": "i32", "group_n": "i32",
                  "GROUP_K": "constexpr", "ROWS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                  "EVEN_K": "constexpr", "BLOCK_SCALED": "constexpr", "HAS_BIAS": "constexpr",
-                 "PARTIAL": "constexpr"}
-    constants = {"GROUP_K": 128 if block_scaled else 1, "ROWS": rows, "BLOCK_N": config.block_n,
-                 "BLOCK_K": config.block_k, "EVEN_K": True,
-                 "BLOCK_SCALED": block_scaled, "HAS_BIAS": False, "PARTIAL": config.split_k > 1}
+                 "PARTIAL": "constexpr", "PREFETCH": "constexpr"}
+    constants = {"PREFETCH": config.prefetch, "GROUP_K": 128 if block_scaled else 1, "ROWS": rows,
+                 "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": True, "BLOCK_SCALED": block_scaled,
+                 "HAS_BIAS": False, "PARTIAL": config.split_k > 1}
     return signature, constants, config.block_n * config.block_k  # weights a loop step streams
 
 
@@ -123,9 +124,9 @@ def int4_case(rows: int, config, group: int) -> tuple[dict, dict, int]:
                  "stride_sk": "i32", "stride_zk": "i32", "stride_cs": "i32", "stride_cm": "i32",
                  "low_mask": "i32", "high_mask": "i32", "GROUP": "constexpr", "HAS_ZEROS": "constexpr",
                  "HAS_BIAS": "constexpr", "PARTIAL": "constexpr", "FOLD": "constexpr", "ROWS": "constexpr",
-                 "BLOCK_N": "constexpr"}
+                 "BLOCK_N": "constexpr", "PREFETCH": "constexpr"}
     constants = {"GROUP": group, "HAS_ZEROS": True, "HAS_BIAS": False, "PARTIAL": config.split_k > 1,
-                 "FOLD": True, "ROWS": rows, "BLOCK_N": config.block_n}
+                 "FOLD": True, "ROWS": rows, "BLOCK_N": config.block_n, "PREFETCH": config.prefetch}
     return signature, constants, config.block_n * group
 
 
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
 
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
-    print(f"{'kernel':5} {'rows':>4} {'config':28} {'regs':>4} {'smem':>5} {'spill':>5} {'loop':>5} "
+    print(f"{'kernel':9} {'rows':>4} {'config':37} {'regs':>4} {'smem':>5} {'spill':>5} {'loop':>5} "
           f"{'/weight':>7}  top opcodes in the loop")
     for kind in args.kernels.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
@@ -200,14 +201,14 @@ def main(argv=None) -> int:
                        else quant_gemv.fp8_block_gemv_candidates(rows, (128, 128)) if kind == "fp8-block"
                        else quant_gemv.int4_gemv_candidates(rows, args.group))
             # the split count changes only whether partials are stored: one compile for 1, one for more
-            for config in dict.fromkeys(c.__class__(c.block_n, c.block_k, min(c.split_k, 2), c.num_warps)
-                                        for c in configs):
+            for config in dict.fromkeys(dataclasses.replace(c, split_k=min(c.split_k, 2)) for c in configs):
                 a = analyse(kind, rows, config, args.group, args.arch)
                 top = ", ".join(f"{op}:{n}" for op, n in a.loop.most_common(6))
-                print(f"{kind:5} {rows:>4} {config.describe():28} {a.regs:>4} {a.shared:>5} {a.spilled:>5} "
+                print(f"{kind:9} {rows:>4} {config.describe():37} {a.regs:>4} {a.shared:>5} {a.spilled:>5} "
                       f"{sum(a.loop.values()):>5} {a.per_weight:>7.2f}  {top}")
                 if args.dump:
-                    stem = args.dump / f"{kind}_r{rows}_{config.block_n}x{config.block_k}_s{config.split_k}"
+                    stem = args.dump / (f"{kind}_r{rows}_{config.block_n}x{config.block_k}_s{config.split_k}"
+                                        + ("_prefetch" if config.prefetch else ""))
                     stem.with_suffix(".ttgir").write_text(a.ttgir)
                     stem.with_suffix(".sass").write_text(a.sass)
     return 0

@@ -3,6 +3,8 @@ references of ``test_quant_kernels`` (the weight layouts' definitions, torch's F
 place among the kernel choices. Runs where triton imports and either CUDA is present or
 TRITON_INTERPRET=1 (``test_kernels_interpreted`` runs this file in the CPU interpreter)."""
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_helpers import needs_triton
@@ -35,7 +37,9 @@ def test_fp8_gemv_equals_the_quantised_product(rows, out_dtype):
     xq, xs = torch_quant(x, k)
     exact = (xq.float() @ weight.float().t()) * xs * scale[None, :]
     for config, with_bias in ((GemvConfig(16, 64), False), (GemvConfig(8, 32, split_k=3), True),
-                              (GemvConfig(64, 16, split_k=2), False)):
+                              (GemvConfig(64, 16, split_k=2), False), (GemvConfig(16, 64, prefetch=True), False),
+                              (GemvConfig(8, 32, split_k=3, prefetch=True), True),
+                              (GemvConfig(16, 8, split_k=2, prefetch=True), False)):
         y = fp8_gemv(x, weight, scale, bias if with_bias else None, out_dtype, config)
         ref = exact + (bias.float() if with_bias else 0)
         assert y.dtype == out_dtype and y.shape == (rows, n)
@@ -53,7 +57,9 @@ def test_fp8_block_gemv_scales_each_step_by_its_blocks(rows):
 
     for n, k, block, config in ((136, 320, (128, 128), GemvConfig(32, 128)),
                                 (136, 320, (128, 128), GemvConfig(16, 128, split_k=2)),
-                                (96, 192, (64, 32), GemvConfig(8, 16, split_k=3))):
+                                (136, 320, (128, 128), GemvConfig(16, 128, split_k=2, prefetch=True)),
+                                (96, 192, (64, 32), GemvConfig(8, 16, split_k=3)),
+                                (96, 192, (64, 32), GemvConfig(8, 16, split_k=3, prefetch=True))):
         weight, scale, w = make_fp8(n, k, seed=30 + block[1], block=block)
         x = rand(rows, k, seed=31, dtype=torch.bfloat16)
         x[:, 64:128] *= 30  # the groups differ in scale, as real activations do
@@ -77,7 +83,8 @@ def test_int4_gemv_equals_the_dequantised_product(dtype, with_zeros):
 
     n, k = 40, 512
     for group, rows, config in ((128, 1, GemvConfig(32, 16)), (64, 3, GemvConfig(16, 8, split_k=3)),
-                                (32, 2, GemvConfig(64, 4, split_k=2))):
+                                (32, 2, GemvConfig(64, 4, split_k=2)), (64, 1, GemvConfig(16, 8, prefetch=True)),
+                                (32, 3, GemvConfig(16, 4, split_k=3, prefetch=True))):
         packed, scales, zeros, w = make_int4(k, n, group, seed=20 + group, with_zeros=with_zeros, dtype=dtype)
         x = rand(rows, k, seed=21 + rows, dtype=dtype)
         bias = rand(n, seed=23, dtype=dtype) if rows > 1 else None
@@ -126,6 +133,15 @@ def test_the_choice_offers_the_matrix_vector_kernels_for_few_rows_only():
         assert not any(isinstance(c, quant_gemv.GemvConfig)
                        for c in qm.candidates_for(("int4", 1, 64, 1024, group, "torch.bfloat16", True)))
     assert qm.config_from_fields({"block_n": 16, "block_k": 64}) == quant_gemv.GemvConfig(16, 64)
+    assert qm.config_from_fields({"block_n": 16, "block_k": 64, "prefetch": True}).prefetch
+    # prefetching variants are timed at one row only (batch-1 decode), beside the plain ones
+    for rows in (1, 2, 4):
+        for configs in (quant_gemv.fp8_gemv_candidates(rows), quant_gemv.int4_gemv_candidates(rows, 128),
+                        quant_gemv.fp8_block_gemv_candidates(rows, (128, 128))):
+            fetching = [c for c in configs if c.prefetch]
+            assert len(configs) == len(set(configs))
+            assert bool(fetching) == (rows == 1)
+            assert all(dataclasses.replace(c, prefetch=False) in configs for c in fetching)
     assert qm.config_from_fields({"block_m": 16, "block_n": 64, "block_k": 128}) == qm.GemmConfig(16, 64, 128)
 
 

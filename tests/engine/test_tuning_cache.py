@@ -62,6 +62,7 @@ INT4_GEMV_KEY = ("int4", 2, 4608, 3584, 128, "torch.bfloat16", False)
     (lambda d: d.pop("gemv_config"), "a malformed entry"),
     (lambda d: d.update(format=1), "an unknown format"),  # written before the quantized choices were kept
     (lambda d: d.update(format=3), "an unknown format"),  # written with the first matrix-vector kernels
+    (lambda d: d.update(format=4), "an unknown format"),  # written before the prefetching candidates
     (lambda d: d["quant_choice"].update({json.dumps(list(FP8_KEY)): {**d["quant_choice"][json.dumps(list(FP8_KEY))],
                                                                      "block_n": 48}}),
      "is not one the kernel is timed in"),

@@ -12,6 +12,20 @@ import triton.language as tl
 
 
 @triton.jit
+def fp8_weights(w_ptrs, n_ok, k0, k_end, offs_k, EVEN_K: tl.constexpr, GUARD: tl.constexpr):
+    """A step's e4m3 weights [BLOCK_N, BLOCK_K] from K index k0, as stored, zeros past N and k_end.
+    EVEN_K (every step whole): no mask along K, so the loads stay 16 bytes wide; GUARD (a prefetch,
+    which may start at k_end) adds the step's start, uniform along K."""
+    if EVEN_K:
+        ok = n_ok[:, None]
+        if GUARD:  # as a tile uniform along K (a scalar condition is no mask to the interpreter)
+            ok = ok & ((offs_k * 0 + k0) < k_end)[None, :]
+    else:
+        ok = n_ok[:, None] & ((k0 + offs_k) < k_end)[None, :]
+    return tl.load(w_ptrs, mask=ok, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
 def fp8_activations(x_ptrs, k_ok, xs_row, g, sw, BLOCK_SCALED: tl.constexpr):
     """A step's e4m3 activations of one row as float32 (a [BLOCK_N, BLOCK_K] tile of broadcast
     pointers, loaded and converted once for the W rows a thread holds); with BLOCK_SCALED times the

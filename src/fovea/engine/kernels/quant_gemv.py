@@ -30,6 +30,12 @@ docstring), other arithmetic:
   program; 4.0 with 128), against 4.95 and 4.5 with a shift a code, the offsets taken off after
   the products and the addresses recomputed from the group's index.
 
+Nothing is software-pipelined by triton here (no matrix instruction consumes the loads): resident
+programs alone hide the memory's latency. At one row the choice also times the first candidates
+with ``prefetch`` (each step loads the next step's weights before it computes: twice the bytes in
+flight a program, for 8 more registers; the FP8 tile is carried as fp16, since e4m3 bytes carried
+from step to step are re-packed every step).
+
 Launch configurations are chosen per shape on first use by timing (``quant_matmul._choose``).
 triton is imported lazily. Checked against the dequantised reference by the tests (the CPU
 interpreter) and on the GPU by ``python3 bench/quant_matmul.py --impls fp8_gemv,fp8_block,int4_gemv``.
@@ -37,6 +43,7 @@ interpreter) and on the GPU by ``python3 bench/quant_matmul.py --impls fp8_gemv,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -57,7 +64,7 @@ HIGH_CODE_MASK = 0x780000  # bits 19..22: units under 16's
 
 # bound by _kernels() (epilogue, fp8_gemv_parts, int4_codes): module globals, where triton's interpreter
 # looks a kernel's names up
-store_row = fp8_activations = fp8_row_sums = int4_pair = int4_exact_pair = int4_start = None
+store_row = fp8_weights = fp8_activations = fp8_row_sums = int4_pair = int4_exact_pair = int4_start = None
 
 
 @dataclass(frozen=True)
@@ -66,9 +73,22 @@ class GemvConfig:
     block_k: int  # FP8: weight columns per step; int4: packed rows (8 weights each) per step: a group's
     split_k: int = 1  # programs along K (partials summed by a second launch)
     num_warps: int = 4
+    # each step loads the next step's weights before it computes: twice the bytes in flight a
+    # program, for a few more registers (no software pipelining otherwise: resident programs alone
+    # hide the memory's latency)
+    prefetch: bool = False
 
     def describe(self) -> str:
-        return f"gemv {self.block_n}x{self.block_k} split={self.split_k} w{self.num_warps}"
+        return (f"gemv {self.block_n}x{self.block_k} split={self.split_k} w{self.num_warps}"
+                + (" prefetch" if self.prefetch else ""))
+
+
+def with_prefetch(configs: list[GemvConfig], rows: int, first: int = 3) -> list[GemvConfig]:
+    """``configs`` and, at one row (batch-1 decode, where bytes in flight bound the kernels), the
+    first ``first`` of them again with ``prefetch``: the choice times whether it pays."""
+    if rows != 1:
+        return configs
+    return configs + [dataclasses.replace(c, prefetch=True) for c in configs[:first]]
 
 
 @functools.cache
@@ -78,9 +98,10 @@ def _kernels():
 
     from fovea.engine.kernels import epilogue, fp8_gemv_parts, int4_codes
 
-    global store_row, fp8_activations, fp8_row_sums, int4_pair, int4_exact_pair, int4_start
+    global store_row, fp8_weights, fp8_activations, fp8_row_sums, int4_pair, int4_exact_pair, int4_start
     store_row = epilogue.store_row
-    fp8_activations, fp8_row_sums = fp8_gemv_parts.fp8_activations, fp8_gemv_parts.fp8_row_sums
+    fp8_weights, fp8_activations = fp8_gemv_parts.fp8_weights, fp8_gemv_parts.fp8_activations
+    fp8_row_sums = fp8_gemv_parts.fp8_row_sums
     int4_pair, int4_exact_pair, int4_start = (int4_codes.int4_pair, int4_codes.int4_exact_pair,
                                               int4_codes.int4_start)
 
@@ -88,7 +109,7 @@ def _kernels():
     def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_xs, stride_wn, stride_ws,
                         stride_cs, stride_cm, group_n, GROUP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr):
         # C[m, n] = sum_k xq[m, k] W[n, k] * xs[m] * ws[n]: xq e4m3 activations with their per-row
         # scales xs [M, 1] (the quantiser's), W e4m3 [N, K] with per-channel scales ws [N]. With
         # BLOCK_SCALED, xs is [M, K / GROUP_K] and ws [N / group_n, K / GROUP_K]: a step lies in one K
@@ -120,13 +141,16 @@ def _kernels():
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        if PREFETCH:  # the first step's weights; each step then loads the next step's before it computes
+            # (carried as fp16, exact for e4m3: carried as bytes, they are re-packed every step)
+            w = fp8_weights(w_ptrs, n_ok, k_start, k_end, offs_k, EVEN_K, True).to(tl.float16)
         for k0 in range(k_start, k_end, BLOCK_K):
-            if EVEN_K:  # no mask along K: wide loads
-                k_ok = offs_k < BLOCK_K
-                w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+            if PREFETCH:
+                w_next = fp8_weights(w_ptrs + BLOCK_K, n_ok, k0 + BLOCK_K, k_end, offs_k, EVEN_K,
+                                     True).to(tl.float16)
             else:
-                k_ok = (k0 + offs_k) < k_end
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                w = fp8_weights(w_ptrs, n_ok, k0, k_end, offs_k, EVEN_K, False)
+            k_ok = offs_k < BLOCK_K if EVEN_K else (k0 + offs_k) < k_end
             w = w.to(tl.float32)
             g = k0 // GROUP_K
             if BLOCK_SCALED:  # the program's columns lie in one weight block: its scale for this K group
@@ -142,6 +166,8 @@ def _kernels():
                 acc3 += w * fp8_activations(x_ptrs + x3, k_ok, xs3, g, sw, BLOCK_SCALED)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            if PREFETCH:
+                w = w_next
         if BLOCK_SCALED:
             ws = tl.zeros([BLOCK_N], tl.float32)  # (unused: the steps were scaled)
         else:
@@ -162,7 +188,8 @@ def _kernels():
     def int4_gemv_kernel(X, P, S, Z, C, BIAS, M, N, K, k_split, stride_xm, stride_pk, stride_sk, stride_zk,
                          stride_cs, stride_cm, low_mask, high_mask, GROUP: tl.constexpr,
                          HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                         FOLD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                         FOLD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PREFETCH: tl.constexpr):
         # C[m, n] = sum_k x[m, k] (q[k, n] - z[g, n]) s[g, n], g = k // GROUP; packed [K / 8, N] (bits
         # 4j..4j+3 of row i: k = 8i + j); a group (GROUP / 8 packed rows, a power of 2) per step, and
         # k_split a multiple of GROUP. Every thread keeps float32 sums for its own packed rows and
@@ -190,7 +217,13 @@ def _kernels():
         z_ptrs = Z + g_start * stride_zk + offs_n
         p_ptrs = P + (k_start // 8 + offs_p).to(tl.int64)[:, None] * stride_pk + offs_n[None, :]
         x_ptrs = X + k_start + 8 * offs_p
-        for _ in range(k_start, k_end, GROUP):
+        p_step = (GROUP // 8) * stride_pk
+        if PREFETCH:  # the first group's weights; each step then loads the next group's before it computes
+            p = tl.load(p_ptrs, mask=n_ok[None, :], other=0, eviction_policy="evict_first")
+        for g0 in range(k_start, k_end, GROUP):
+            if PREFETCH:
+                more = (offs_n * 0 + g0 + GROUP) < k_end  # uniform: a scalar condition is no mask to the interpreter
+                p_next = tl.load(p_ptrs + p_step, mask=(n_ok & more)[None, :], other=0, eviction_policy="evict_first")
             s = tl.load(s_ptrs, mask=n_ok, other=0.0).to(tl.float32)
             if HAS_ZEROS:
                 z = tl.load(z_ptrs, mask=n_ok, other=0.0).to(tl.float32)
@@ -198,7 +231,8 @@ def _kernels():
                 z = tl.full([BLOCK_N], 8.0, tl.float32)
             # the group's packed rows in one step; x read in the slice of p's layout (one load per
             # packed row and code, used for the thread's columns)
-            p = tl.load(p_ptrs, mask=n_ok[None, :], other=0, eviction_policy="evict_first")
+            if not PREFETCH:
+                p = tl.load(p_ptrs, mask=n_ok[None, :], other=0, eviction_policy="evict_first")
             xs0, part0 = int4_start(x_ptrs, z, FOLD)
             if ROWS > 1:
                 xs1, part1 = int4_start(x_ptrs + x1, z, FOLD)
@@ -231,7 +265,9 @@ def _kernels():
                 acc3 += part3 * s[None, :]
             s_ptrs += stride_sk
             z_ptrs += stride_zk
-            p_ptrs += (GROUP // 8) * stride_pk
+            p_ptrs += p_step
+            if PREFETCH:
+                p = p_next
             x_ptrs += GROUP
         store_row(C, BIAS, tl.sum(acc0, axis=0), 0, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS_BIAS, PARTIAL)
         if ROWS > 1:
@@ -258,8 +294,9 @@ def fp8_gemv_candidates(rows: int) -> list[GemvConfig]:
     ``fp8_tile`` weights a step. Splitting K fills the GPU where N is small (qkv, o and down give
     224-288 programs of 16 columns for 132 SMs)."""
     tile = fp8_tile(rows)
-    return [GemvConfig(16, tile // 16), GemvConfig(16, tile // 16, 2), GemvConfig(16, tile // 16, 4),
-            GemvConfig(32, tile // 32, 2), GemvConfig(8, tile // 8, 4), GemvConfig(16, tile // 16, 8)]
+    configs = [GemvConfig(16, tile // 16), GemvConfig(16, tile // 16, 2), GemvConfig(16, tile // 16, 4),
+               GemvConfig(32, tile // 32, 2), GemvConfig(8, tile // 8, 4), GemvConfig(16, tile // 16, 8)]
+    return with_prefetch(configs, rows)
 
 
 def fp8_block_gemv_candidates(rows: int, block: tuple[int, int]) -> list[GemvConfig]:
@@ -272,9 +309,9 @@ def fp8_block_gemv_candidates(rows: int, block: tuple[int, int]) -> list[GemvCon
     if step < 16:
         return []
     bn = min(widest, fp8_tile(rows) // step)
-    return list(dict.fromkeys(
+    return with_prefetch(list(dict.fromkeys(
         [GemvConfig(bn, step), GemvConfig(bn, step, 2), GemvConfig(bn, step, 4), GemvConfig(bn, step, 8),
-         GemvConfig(max(1, bn // 2), step, 4), GemvConfig(max(1, bn // 2), step, 8)]))
+         GemvConfig(max(1, bn // 2), step, 4), GemvConfig(max(1, bn // 2), step, 8)])), rows, 2)
 
 
 def int4_group_supported(group: int) -> bool:
@@ -296,7 +333,7 @@ def int4_gemv_candidates(rows: int, group: int) -> list[GemvConfig]:
                GemvConfig(bn // 2, packed_rows, 8)]
     if rows == 1:
         configs.append(GemvConfig(2 * bn, packed_rows, 4))
-    return configs
+    return with_prefetch(configs, rows)
 
 
 def _split(k: int, unit: int, split: int) -> tuple[int, int]:
@@ -358,7 +395,7 @@ def fp8_gemv_quantised(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
                         ROWS=next_pow2(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                         EVEN_K=k % config.block_k == 0 and per % config.block_k == 0,
                         BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
-                        num_warps=config.num_warps)
+                        PREFETCH=config.prefetch, num_warps=config.num_warps)
     _finish(target, bias, out, splits)
     return out
 
@@ -388,7 +425,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
                         scales.stride(0), zeros.stride(0) if zeros is not None else 0,
                         target.stride(0) if splits > 1 else 0, target.stride(-2), LOW_CODE_MASK,
                         HIGH_CODE_MASK, GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
-                        PARTIAL=splits > 1, FOLD=x.dtype != torch.float32, ROWS=next_pow2(rows), BLOCK_N=config.block_n,
-                        num_warps=config.num_warps)
+                        PARTIAL=splits > 1, FOLD=x.dtype != torch.float32, ROWS=next_pow2(rows),
+                        BLOCK_N=config.block_n, PREFETCH=config.prefetch, num_warps=config.num_warps)
     _finish(target, bias, out, splits)
     return out

@@ -36,8 +36,9 @@ from fovea.engine.kernels import quant_matmul, triton_ops
 
 log = logging.getLogger("fovea.engine.paged")
 
-FORMAT = 4  # 2: the quantized kernels' choices ("quant_choice") too; 3: matrix-vector candidates among them;
-# 4: their second version, and one for block-scaled FP8 (a choice made without it is timed again)
+FORMAT = 5  # 2: the quantized kernels' choices ("quant_choice") too; 3: matrix-vector candidates among them;
+# 4: their second version, and one for block-scaled FP8 (a choice made without it is timed again);
+# 5: prefetching matrix-vector candidates at one row
 
 
 def enabled() -> bool:
