@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import io
 import json
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -188,11 +190,28 @@ def children(pid: int) -> list[int]:
 
 def serve(*flags: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--engine-core", "process", "--device",
-                                "cpu", "--port", str(port), "--no-canary", *flags], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    with sigint_as_in_a_terminal():
+        process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--engine-core", "process",
+                                    "--device", "cpu", "--port", str(port), "--no-canary", *flags], cwd=ROOT,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     return process, f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def sigint_as_in_a_terminal() -> Iterator[None]:
+    """Children started inside get SIGINT's default disposition, as a server started in a terminal
+    has. A test run started in the background by a shell without job control ignores SIGINT, and
+    children inherit that: such a server still stops gracefully on SIGINT (uvicorn catches it), but
+    the SIGINT that uvicorn re-raises afterwards is then ignored, and it exits 0."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:  # a Python handler, unlike SIG_IGN, is reset to the default by exec
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def wait_ready(process: subprocess.Popen, base: str) -> None:
@@ -263,7 +282,8 @@ def test_sigterm_lets_a_stream_finish_then_stops_the_core():
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length", rest[-2]
         # After its graceful stop uvicorn re-raises the signal it caught: ended by SIGTERM, as asked.
-        assert process.wait(timeout=60) == -signal.SIGTERM
+        code = process.wait(timeout=60)
+        assert code == -signal.SIGTERM, (code, process.stdout.read()[-3000:])
         assert not Path(f"/proc/{core}").exists() or "zombie" in Path(f"/proc/{core}/status").read_text().lower()
     finally:
         if process.poll() is None:
@@ -280,8 +300,9 @@ def test_ctrl_c_stops_the_server_and_its_core_quietly():
         wait_ready(process, base)
         core = core_of(process)
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == -signal.SIGINT
+        code = process.wait(timeout=60)
         out = process.stdout.read()
+        assert code == -signal.SIGINT, (code, out[-3000:])
         assert "Application shutdown complete" in out and "Traceback" not in out, out[-3000:]
         assert not Path(f"/proc/{core}").exists() or "zombie" in Path(f"/proc/{core}/status").read_text().lower()
     finally:
