@@ -113,8 +113,8 @@ def fp8_case(rows: int, config, block_scaled: bool = False) -> tuple[dict, dict,
                  "EVEN_K": "constexpr", "BLOCK_SCALED": "constexpr", "HAS_BIAS": "constexpr",
                  "PARTIAL": "constexpr", "PREFETCH": "constexpr"}
     constants = {"PREFETCH": config.prefetch, "GROUP_K": 128 if block_scaled else 1, "ROWS": rows,
-                 "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": True, "BLOCK_SCALED": block_scaled,
-                 "HAS_BIAS": False, "PARTIAL": config.split_k > 1}
+                 "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": True,
+                 "BLOCK_SCALED": block_scaled, "HAS_BIAS": False, "PARTIAL": config.split_k > 1}
     return signature, constants, config.block_n * config.block_k  # weights a loop step streams
 
 

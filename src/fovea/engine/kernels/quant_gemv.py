@@ -33,7 +33,7 @@ docstring), other arithmetic:
 Nothing is software-pipelined by triton here (no matrix instruction consumes the loads): resident
 programs alone hide the memory's latency. At one row the choice also times the first candidates
 with ``prefetch`` (each step loads the next step's weights before it computes: twice the bytes in
-flight a program, for 8 more registers; the FP8 tile is carried as fp16, since e4m3 bytes carried
+flight a program, for 7-9 more registers; the FP8 tile is carried as fp16, since e4m3 bytes carried
 from step to step are re-packed every step).
 
 Launch configurations are chosen per shape on first use by timing (``quant_matmul._choose``).
@@ -64,7 +64,8 @@ HIGH_CODE_MASK = 0x780000  # bits 19..22: units under 16's
 
 # bound by _kernels() (epilogue, fp8_gemv_parts, int4_codes): module globals, where triton's interpreter
 # looks a kernel's names up
-store_row = fp8_weights = fp8_activations = fp8_row_sums = int4_pair = int4_exact_pair = int4_start = None
+store_row = fp8_weights = fp8_activations = fp8_row_sums = None
+int4_pair = int4_exact_pair = int4_start = None
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,10 @@ def _kernels():
 
     @triton.jit
     def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_xs, stride_wn, stride_ws,
-                        stride_cs, stride_cm, group_n, GROUP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_SCALED: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PREFETCH: tl.constexpr):
+                        stride_cs, stride_cm, group_n, GROUP_K: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                        BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                        PREFETCH: tl.constexpr):
         # C[m, n] = sum_k xq[m, k] W[n, k] * xs[m] * ws[n]: xq e4m3 activations with their per-row
         # scales xs [M, 1] (the quantiser's), W e4m3 [N, K] with per-channel scales ws [N]. With
         # BLOCK_SCALED, xs is [M, K / GROUP_K] and ws [N / group_n, K / GROUP_K]: a step lies in one K
@@ -141,7 +143,7 @@ def _kernels():
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        if PREFETCH:  # the first step's weights; each step then loads the next step's before it computes
+        if PREFETCH:  # the first step's weights; each step then loads the next step's before computing
             # (carried as fp16, exact for e4m3: carried as bytes, they are re-packed every step)
             w = fp8_weights(w_ptrs, n_ok, k_start, k_end, offs_k, EVEN_K, True).to(tl.float16)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -218,12 +220,14 @@ def _kernels():
         p_ptrs = P + (k_start // 8 + offs_p).to(tl.int64)[:, None] * stride_pk + offs_n[None, :]
         x_ptrs = X + k_start + 8 * offs_p
         p_step = (GROUP // 8) * stride_pk
-        if PREFETCH:  # the first group's weights; each step then loads the next group's before it computes
+        if PREFETCH:  # the first group's weights; each step then loads the next group's before computing
             p = tl.load(p_ptrs, mask=n_ok[None, :], other=0, eviction_policy="evict_first")
         for g0 in range(k_start, k_end, GROUP):
             if PREFETCH:
-                more = (offs_n * 0 + g0 + GROUP) < k_end  # uniform: a scalar condition is no mask to the interpreter
-                p_next = tl.load(p_ptrs + p_step, mask=(n_ok & more)[None, :], other=0, eviction_policy="evict_first")
+                # (a tile, uniform: a scalar condition is no mask to the interpreter)
+                more = (offs_n * 0 + g0 + GROUP) < k_end
+                p_next = tl.load(p_ptrs + p_step, mask=(n_ok & more)[None, :], other=0,
+                                 eviction_policy="evict_first")
             s = tl.load(s_ptrs, mask=n_ok, other=0.0).to(tl.float32)
             if HAS_ZEROS:
                 z = tl.load(z_ptrs, mask=n_ok, other=0.0).to(tl.float32)
