@@ -188,12 +188,16 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def serve(*flags: str) -> tuple[subprocess.Popen, str]:
+def serve(*flags: str, log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """``fovea serve`` on CPU (engine core in its own process, no canary) with ``flags``; its
+    output piped, or written to ``log`` (the access lines ``served_by`` reads). The process and
+    its base URL."""
     port = free_port()
-    with sigint_as_in_a_terminal():
+    output = open(log, "w") if log is not None else contextlib.nullcontext(subprocess.PIPE)
+    with sigint_as_in_a_terminal(), output as out:
         process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--engine-core", "process",
                                     "--device", "cpu", "--port", str(port), "--no-canary", *flags], cwd=ROOT,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   stdout=out, stderr=subprocess.STDOUT, text=True,
                                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     return process, f"http://127.0.0.1:{port}"
 
@@ -325,17 +329,6 @@ def served_by(log: Path, what: str) -> tuple[int, int]:
     return len(lines) - further, further
 
 
-def serve_logged(log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """``fovea serve`` on CPU (no canary) with ``flags``, its output in ``log`` (the access lines
-    ``served_by`` reads); the process and its base URL."""
-    port = free_port()
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "fovea.cli", "serve", "--device", "cpu", "--port", str(port),
-                                    "--no-canary", *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    return process, f"http://127.0.0.1:{port}"
-
-
 def terminate(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGTERM)
     try:
@@ -360,7 +353,7 @@ def test_two_api_processes_feed_one_core_and_one_dying_loses_nothing_else(tmp_pa
     """Ready only once both API processes serve; /metrics, whichever process answers it, counts
     the requests of both (and of one that died since); a dead one is replaced."""
     log = tmp_path / "server.log"
-    process, base = serve_logged(log, "--api-server-count", "2")
+    process, base = serve("--api-server-count", "2", log=log)
     try:
         wait_ready(process, base)
         health = httpx.get(base + "/health", timeout=10).json()
@@ -435,7 +428,7 @@ def test_every_api_process_checks_the_api_key(tmp_path):
     """--api-key with --api-server-count 2: whichever process takes a connection refuses a request
     without the key (401, invalid_api_key) and answers one with it."""
     log = tmp_path / "server.log"
-    process, base = serve_logged(log, "--api-server-count", "2", "--api-key", "sesame")
+    process, base = serve("--api-server-count", "2", "--api-key", "sesame", log=log)
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1, "temperature": 0}
     try:
         wait_ready(process, base)  # /health is open: load balancers probe it without credentials
@@ -489,7 +482,7 @@ def test_e_pd_with_two_api_processes_answers_images_as_agg(tmp_path, thread_serv
     """--topology e_pd --api-server-count 2: both API processes hand images to the one core, whose
     encode worker makes their embeddings; the greedy answers equal an in-process agg engine's."""
     log = tmp_path / "server.log"
-    process, base = serve_logged(log, "--topology", "e_pd", "--api-server-count", "2")
+    process, base = serve("--topology", "e_pd", "--api-server-count", "2", log=log)
     colors = [(220, 30, 30), (30, 200, 40), (30, 30, 220)]
     bodies = [{"messages": chat("What color is the circle?", color), "max_tokens": 4, "temperature": 0}
               for color in colors]
