@@ -173,6 +173,9 @@ def measure(model_dir: Path, args, bandwidth: float) -> dict:
         tpot = statistics.median(s[1] for s in singles) * 1000
         ttft = statistics.median(s[0] for s in singles) * 1000
         bursts = [asyncio.run(burst(args.burst, 128)) for _ in range(args.runs)] if args.burst else []
+        if args.profile:
+            profile_decode(lambda: asyncio.run(one(SamplingParams(max_tokens=args.profile, temperature=0,
+                                                                   ignore_eos=True))), args.profile, tpot)
     finally:
         engine.stop()
     floor = step_bytes / bandwidth * 1000
@@ -184,6 +187,17 @@ def measure(model_dir: Path, args, bandwidth: float) -> dict:
     engine = loaded = None  # released before the next format loads (or its server starts)
     release_gpu()
     return result
+
+
+def profile_decode(request: Callable[[], object], tokens: int, tpot_ms: float) -> None:
+    """One request of ``tokens`` tokens under torch's profiler: its kernels a token (decode_profile)."""
+    import decode_profile
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        request()
+    torch.cuda.synchronize()
+    decode_profile.print_table(decode_profile.kernel_table(prof, tokens), tpot_ms)
 
 
 def words(shape: str) -> Callable[[int], str]:
@@ -297,6 +311,11 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's (128000)")
     parser.add_argument("--no-gemv", action="store_true",
                         help="offline: no matrix-vector kernels among the quantized kernels' choices (the baseline)")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOKENS",
+                        help="offline: one more request of TOKENS tokens under torch's profiler, its kernels a token")
+    parser.add_argument("--no-fp8-producers", action="store_true",
+                        help="offline: FP8 inputs quantised by the quantiser's own launches (the baseline of "
+                             "their producers quantising them)")
     serve = parser.add_argument_group("serve")
     serve.add_argument("--images", type=int, default=1, help="images per burst request")
     serve.add_argument("--burst-size", type=parse_size, default=(1280, 720), help="their size, WxH")
@@ -315,6 +334,12 @@ def main() -> int:
         from fovea.engine.kernels import quant_gemv
 
         quant_gemv.GEMV_MAX_ROWS = 0  # candidates_for reads it on each choice
+    if args.no_fp8_producers:
+        if args.mode != "offline":
+            parser.error("--no-fp8-producers changes this process's forward: offline only")
+        from fovea.engine.model import llama
+
+        llama.fp8_input_group = lambda weight, device: None  # PagedLlama reads it as it is built
     bandwidth = math.nan
     if args.device == "cuda":
         bandwidth = copy_bandwidth()

@@ -17,7 +17,7 @@ import torch
 
 KERNEL_TESTS = ["test_paged_triton.py", "test_triton_prefill.py", "test_triton_ops.py", "test_paged_fused.py",
                 "test_vision_fused.py", "test_checksum_kernel.py", "test_qwen_vision_fused.py",
-                "test_quant_kernels.py", "test_quant_gemv.py"]
+                "test_quant_kernels.py", "test_quant_gemv.py", "test_fp8_producers.py"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

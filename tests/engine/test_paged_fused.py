@@ -156,3 +156,42 @@ def test_the_runner_feeds_the_triton_prefill_kernel_whole_steps(demo_model):
         assert got.shape == ref.shape
         if got.numel():  # a step whose chunks all stop short of a prompt's end samples nothing
             assert_close_for(got, ref, torch.float32, path, what="a step's logits")
+
+
+@needs_triton
+@pytest.mark.parametrize("block", [None, (16, 128)], ids=["per-channel", "blocks"])
+def test_fp8_inputs_quantised_by_their_producers_change_no_logit(demo_model, block, monkeypatch):
+    """With FP8 weights (per channel, and 16x128 blocks: K groups of 128 over the 688-wide down
+    input, the last partial), the fused forward's norms and SiLU * up quantise the products' inputs
+    in their own launches; the logits of a prefill and a decode step are bit for bit those of the
+    same forward with the quantiser's launches (``fp8_producers`` off)."""
+    from fovea.engine.kernels import quant_matmul, triton_ops
+    from fovea.engine.model.llama import FP8Inputs
+    from fovea.quant.weights import Fp8Weight
+
+    # Both forwards take each product's first candidate (a GPU would otherwise time the keys of
+    # quantised and unquantised inputs apart, and might sum them in different orders).
+    monkeypatch.setattr(quant_matmul, "AUTOTUNE", False)
+    monkeypatch.setattr(quant_matmul, "_CHOSEN", {})
+    model = copy.deepcopy(demo_model.model)
+    gen = torch.Generator().manual_seed(5)
+    device = demo_model.device
+    for layer in lm_spec_of(model).language_model.layers:
+        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            module.quant = Fp8Weight.random(module.out_features, module.in_features, block, generator=gen).to(device)
+    llama = PagedLlama(lm_spec_of(model), 256, attention_backend("torch"), fused=True)
+    want = FP8Inputs(256, 256, 688) if block is None else FP8Inputs(128, 128, 128)
+    assert llama.fp8_producers and llama.fp8_groups == [want] * len(llama.layers)
+    calls = []
+    for name in ("add_rms_norm_fp8", "silu_mul_fp8"):
+        real = getattr(triton_ops, name)
+        monkeypatch.setattr(triton_ops, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, llama.embed.shape[0], (n,), generator=gen).tolist() for n in (21, 9)]
+    first, second, _ = _prefill_then_decode(llama, prompts, [5, 9])
+    assert len(calls) == 2 * 3 * len(llama.layers)  # both steps, three producers a layer
+    llama.fp8_producers = False
+    unfused_first, unfused_second, _ = _prefill_then_decode(llama, prompts, [5, 9])
+    assert len(calls) == 2 * 3 * len(llama.layers)
+    assert torch.equal(first, unfused_first) and torch.equal(second, unfused_second)

@@ -446,8 +446,8 @@ def candidates_for(key: tuple) -> list[Config]:
     kernel here makes."""
     kind, bucket = key[0], key[1]
     gemv = bucket <= quant_gemv.GEMV_MAX_ROWS
-    if kind in ("fp8", "fp8-mma") and len(key) == 5:
-        extra = quant_gemv.fp8_gemv_candidates(bucket) if gemv and kind == "fp8" else []
+    if kind in ("fp8", "fp8-mma", "fp8-quantised") and len(key) == 5:
+        extra = quant_gemv.fp8_gemv_candidates(bucket) if gemv and kind != "fp8-mma" else []
         return fp8_candidates(bucket) + extra
     if kind == "fp8-block" and len(key) == 7:
         extra = quant_gemv.fp8_block_gemv_candidates(bucket, (key[5], key[6])) if gemv else []
@@ -623,14 +623,30 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias:
     if impl == "triton":
         return fp8_triton(x2, weight, scale.reshape(-1).contiguous(), bias, out_dtype).reshape(*lead, weight.shape[0])
     xq, xs = quantize_per_token(x2)
+    return fp8_quantised_product(xq, xs, weight, scale, bias, out_dtype, impl=impl).reshape(*lead, weight.shape[0])
+
+
+def fp8_quantised_product(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None, out_dtype: torch.dtype, *, impl: str | None = None,
+                          config: Config | None = None) -> torch.Tensor:
+    """``fp8_linear``'s product on activations already quantised per token (``xq`` fp8 [M, K], ``xs``
+    float32 [M, 1]: by their producer, ``fp8_activation``), in the same ``impl`` ``fp8_linear``
+    would take; for "triton" the choice of key ("fp8-quantised", ...) between the tensor-core and
+    the matrix-vector kernels, without the quantiser. Returns [M, N] in ``out_dtype``."""
+    impl = impl or _fp8_impl(xq, weight, scale, bias, out_dtype)
     if impl == "scaled_mm":
-        y = _scaled_mm(xq, xs, weight, scale, bias, out_dtype)
-    else:
-        y = (xq.float() @ weight.float().t()) * xs * scale.float().reshape(1, -1)
-        if bias is not None:
-            y = y + bias.float()
-        y = y.to(out_dtype)
-    return y.reshape(*lead, weight.shape[0])
+        return _scaled_mm(xq, xs, weight, scale, bias, out_dtype)
+    if impl == "triton":
+        scale = scale.reshape(-1).contiguous()
+        if config is None:
+            key = ("fp8-quantised", _m_bucket(xq.shape[0]), weight.shape[0], xq.shape[1], str(out_dtype))
+            config = _choose(key, candidates_for(key), lambda c: fp8_quantised_product(
+                xq, xs, weight, scale, bias, out_dtype, impl="triton", config=c))
+        return fp8_gemm(xq, xs, weight, scale, bias, out_dtype, config=config)
+    y = (xq.float() @ weight.float().t()) * xs * scale.float().reshape(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
 
 
 def fp8_triton(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -656,19 +672,26 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     per token and group of bk columns. The Triton kernel where one can run (bk must then have a
     power-of-two factor >= 16), else the same in torch. Returns [..., N] in ``out_dtype`` (x's dtype)."""
     out_dtype = out_dtype or x.dtype
-    bn, bk = int(block[0]), int(block[1])
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    xq, xs = quantize_per_token_group(x2, bk)
-    if _triton_fp8_runs(x2) and _pow2_divisor(128, bk) >= 16:
-        y = fp8_gemm(xq, xs, weight, scale, bias, out_dtype, (bn, bk), config)
-    else:
-        a = xq.float() * xs.repeat_interleave(bk, 1)[:, :k]
-        y = a @ dequantize_fp8(weight, scale, (bn, bk)).t()
-        if bias is not None:
-            y = y + bias.float()
-        y = y.to(out_dtype)
+    xq, xs = quantize_per_token_group(x2, int(block[1]))
+    y = fp8_block_quantised_product(xq, xs, weight, scale, block, bias, out_dtype, config=config)
     return y.reshape(*lead, weight.shape[0])
+
+
+def fp8_block_quantised_product(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                                block: tuple[int, int], bias: torch.Tensor | None, out_dtype: torch.dtype, *,
+                                config: Config | None = None) -> torch.Tensor:
+    """``fp8_block_linear``'s product on activations already quantised per token and group of bk
+    columns (``xq`` fp8 [M, K], ``xs`` float32 [M, cdiv(K, bk)]). Returns [M, N] in ``out_dtype``."""
+    bn, bk = int(block[0]), int(block[1])
+    if _triton_fp8_runs(xq) and _pow2_divisor(128, bk) >= 16:
+        return fp8_gemm(xq, xs, weight, scale, bias, out_dtype, (bn, bk), config)
+    a = xq.float() * xs.repeat_interleave(bk, 1)[:, :xq.shape[1]]
+    y = a @ dequantize_fp8(weight, scale, (bn, bk)).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,11 +27,16 @@ import os
 import torch
 import torch.nn.functional as F
 
+from fovea.engine.kernels.fp8_activation import Fp8Activation, kernel_group
+from fovea.engine.kernels.fp8_quantize import FP8_DTYPE, MIN_SCALE
 from fovea.engine.kernels.triton_util import launch_time, next_pow2
 
 log = logging.getLogger("fovea.engine.paged")
 
 GEMV_MAX_ROWS = 4  # above this many rows cuBLAS's matrix products win (see --bench)
+MAX_FP8_ROW = 32768  # the widest row a producer quantises to FP8 in its own launch (held in registers)
+
+store_fp8_groups = None  # bound by _kernels() (fp8_rounding): a module global, where the interpreter looks
 
 
 @functools.cache
@@ -39,9 +44,15 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    from fovea.engine.kernels import fp8_rounding
+
+    global store_fp8_groups
+    store_fp8_groups = fp8_rounding.store_fp8_groups
+
     @triton.jit
-    def add_rms_norm_kernel(X, R, W, OUT, stride_x, stride_r, stride_o, n_cols, eps,
-                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def add_rms_norm_kernel(X, R, W, OUT, Q, S, stride_x, stride_r, stride_o, stride_q, stride_s, n_cols, eps,
+                            min_scale, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                            GROUP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -54,7 +65,12 @@ def _kernels():
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
         y = (xf * rstd).to(OUT.dtype.element_ty).to(tl.float32)
         w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(OUT + row * stride_o + cols, (y * w).to(OUT.dtype.element_ty), mask=ok)
+        out = (y * w).to(OUT.dtype.element_ty)
+        if QUANT:  # the normed row in the model dtype, quantised to FP8 for the product that reads it
+            store_fp8_groups(out.to(tl.float32), cols, ok, Q, S, row, stride_q, stride_s, n_cols, min_scale, BLOCK,
+                             GROUP)
+        else:
+            tl.store(OUT + row * stride_o + cols, out, mask=ok)
 
     @triton.jit
     def rope_write_kv_kernel(QKV, POS, COS, SIN, KC, VC, SLOTS, stride_t, stride_pos,
@@ -104,6 +120,21 @@ def _kernels():
         tl.store(OUT + row * stride_o + cols, (act * u).to(dt), mask=ok)
 
     @triton.jit
+    def silu_mul_quant_kernel(GU, Q, S, stride_g, stride_q, stride_s, n_cols, min_scale, BLOCK: tl.constexpr,
+                              GROUP: tl.constexpr):
+        # silu_mul_kernel's row, held whole by one program and quantised to FP8 (rounded to the
+        # model dtype first, as the unfused pair rounds it)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        dt = GU.dtype.element_ty
+        g = tl.load(GU + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_g + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        y = (act * u).to(dt).to(tl.float32)
+        store_fp8_groups(y, cols, ok, Q, S, row, stride_q, stride_s, n_cols, min_scale, BLOCK, GROUP)
+
+    @triton.jit
     def gemv_plain(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr):
@@ -130,20 +161,56 @@ def _kernels():
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
-    return add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel, gemv_plain
+    return add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel, gemv_plain, silu_mul_quant_kernel
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of ``x`` ([T, C]); with ``residual``, first ``residual += x`` in place and the
     norm is of the sum. Returns the normed rows."""
+    out = torch.empty_like(x) if out is None else out
+    _add_rms_norm(x, weight, eps, residual, out, None, None, 0)
+    return out
+
+
+def add_rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
+                     residual: torch.Tensor | None = None) -> Fp8Activation:
+    """``add_rms_norm``, its normed rows handed on quantised to FP8 (``fp8_activation``): the codes
+    and a scale per ``group`` columns of a row (>= C: one a row) that ``quantize_per_token_group``
+    makes from ``add_rms_norm``'s output, bit for bit. ValueError where ``fp8_row_fits`` says no."""
+    rows, cols = x.shape
+    lanes = _fp8_lanes(group, cols)
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((rows, -(-cols // group)), dtype=torch.float32, device=x.device)
+    _add_rms_norm(x, weight, eps, residual, x, q, scale, lanes)
+    return Fp8Activation(q, scale, group, x.dtype)
+
+
+def fp8_row_fits(cols: int, group: int) -> bool:
+    """A producer's launch can quantise rows of ``cols`` columns by ``group`` (``kernel_group``)."""
+    return cols <= MAX_FP8_ROW and kernel_group(group, cols) is not None
+
+
+def _fp8_lanes(group: int, cols: int) -> int:
+    lanes = kernel_group(group, cols) if cols <= MAX_FP8_ROW else None
+    if lanes is None:
+        raise ValueError(f"rows of {cols} columns cannot be quantised by groups of {group} in their producer's "
+                         f"launch (a power-of-2 group, or one a row, up to {MAX_FP8_ROW} columns)")
+    return lanes
+
+
+def _add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                  out: torch.Tensor, q: torch.Tensor | None, scale: torch.Tensor | None, group_lanes: int) -> None:
+    """The launch: the normed rows into ``out`` (its dtype), or quantised into ``q`` and ``scale``
+    by groups of ``group_lanes`` lanes (``q`` given)."""
     kernel = _kernels()[0]
     rows, cols = x.shape
-    out = torch.empty_like(x) if out is None else out
     r = residual if residual is not None else x
-    kernel[(rows,)](x, r, weight, out, x.stride(0), r.stride(0), out.stride(0), cols, eps,
-                    HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(cols), num_warps=8 if cols >= 4096 else 4)
-    return out
+    quant = q is not None
+    kernel[(rows,)](x, r, weight, out, q if quant else out, scale if quant else out, x.stride(0), r.stride(0),
+                    out.stride(0), q.stride(0) if quant else 0, scale.stride(0) if quant else 0, cols, eps, MIN_SCALE,
+                    HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(cols), QUANT=quant,
+                    GROUP=group_lanes if quant else 1, num_warps=8 if cols >= 4096 else 4)
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -172,6 +239,20 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     kernel[(rows, -(-inter // block))](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
                                        num_warps=4)
     return out
+
+
+def silu_mul_fp8(gate_up: torch.Tensor, group: int) -> Fp8Activation:
+    """``silu_mul``, its rows handed on quantised to FP8 as ``add_rms_norm_fp8`` hands its rows on
+    (one program a row, held whole: rows up to ``MAX_FP8_ROW`` columns)."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    lanes = _fp8_lanes(group, inter)
+    q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty((rows, -(-inter // group)), dtype=torch.float32, device=gate_up.device)
+    block = next_pow2(inter)
+    _kernels()[4][(rows,)](gate_up, q, scale, gate_up.stride(0), q.stride(0), scale.stride(0), inter, MIN_SCALE,
+                           BLOCK=block, GROUP=lanes, num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4)
+    return Fp8Activation(q, scale, group, gate_up.dtype)
 
 
 # The launch configurations the matrix-vector kernel is timed in: (BLOCK_N, BLOCK_K, num_warps).

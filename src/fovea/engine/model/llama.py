@@ -23,9 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from fovea.engine.kernels import triton_ops
+from fovea.engine.kernels.fp8_activation import Fp8Activation
 from fovea.engine.model.attention import AttentionBackend, AttnMeta, attention, write_kv
 from fovea.engine.model.kv_cache import KVCache, KVShape
 from fovea.engine.model.quant_linear import (
+    fp8_input_group,
     fuse_weights,
     fused_linear,
     int4_scratch_elements,
@@ -64,6 +66,15 @@ class LayerWeights:
     # Qwen3: RMSNorm over each q and k head before RoPE (None elsewhere).
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FP8Inputs:
+    """The groups (columns a scale) by which a layer's producers quantise its FP8 products' inputs,
+    or None where a product quantises its own (``PagedLlama.fp8_groups``)."""
+    qkv: int | None = None
+    gate_up: int | None = None
+    down: int | None = None
 
 
 def rope_parameters(config) -> dict:
@@ -178,6 +189,14 @@ class PagedLlama:
         # layer's, allocated once; a line of the memory plan), then call torch's matmul.
         scratch = int4_scratch_elements(self.layers) if fused and self.device.type == "cuda" else 0
         self.int4_scratch = torch.empty(scratch, dtype=self.dtype, device=self.device) if scratch else None
+        # FP8 products whose inputs their producers quantise (fp8_activation): per layer, the groups
+        # of q/k/v's input (the input RMSNorm's), gate/up's (the post-attention RMSNorm's) and
+        # down's (SiLU * up's); None where the product quantises its own. Off (False) when the
+        # start-up check finds the producers wrong on this device.
+        self.fp8_groups = [FP8Inputs(*(fp8_input_group(w, self.device) if fused else None
+                                       for w in (layer.qkv, layer.gate_up, layer.down)))
+                           for layer in self.layers]
+        self.fp8_producers = any(g != FP8Inputs() for g in self.fp8_groups)
         inv = inverse_frequencies(text, self.head_dim)
         freqs = torch.arange(max_positions, dtype=torch.float32).unsqueeze(1) * inv.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -304,8 +323,9 @@ class PagedLlama:
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
         linear = functools.partial(fused_linear, scratch=self.int4_scratch) if self.quant_kernels else mixed_linear
+        groups = self.fp8_groups if self.quant_kernels and self.fp8_producers else [FP8Inputs()] * len(self.layers)
         cos_table, sin_table, positions = self.rope_tables(positions)
-        x = triton_ops.add_rms_norm(hidden, self.layers[0].in_norm, self.eps)
+        x = norm(hidden, self.layers[0].in_norm, self.eps, groups[0].qkv)
         for index, w in enumerate(self.layers):
             qkv = linear(x, w.qkv, w.qkv_bias)
             if w.q_norm is not None:  # Qwen3: q and k heads normed in place before the rotary kernel
@@ -321,15 +341,15 @@ class PagedLlama:
             v = qkv[:, k_end:].view(tokens, kv_heads, dim)
             out = attention(q, k, v, k_cache, v_cache, meta, self.scale, self.backend)
             o = linear(out.reshape(tokens, -1), w.o, w.o_bias)
-            x = triton_ops.add_rms_norm(o, w.post_norm, self.eps, residual=hidden)
-            down = linear(triton_ops.silu_mul(linear(x, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+            x = norm(o, w.post_norm, self.eps, groups[index].gate_up, residual=hidden)
+            down = linear(silu_mul(linear(x, w.gate_up, w.gate_up_bias), groups[index].down), w.down, w.down_bias)
             if deepstack is not None and index < self.deepstack_layers:
                 # The residual add, then the features (as transformers rounds), then the next norm.
                 hidden += down
                 self.add_deepstack(hidden, deepstack, index)
                 down = torch.zeros_like(down)
             if index + 1 < len(self.layers):
-                x = triton_ops.add_rms_norm(down, self.layers[index + 1].in_norm, self.eps, residual=hidden)
+                x = norm(down, self.layers[index + 1].in_norm, self.eps, groups[index + 1].qkv, residual=hidden)
         scored = None
         if score_rows is not None:  # first: without logit_rows the residual add below is in place
             scored = triton_ops.add_rms_norm(down[score_rows], self.final_norm, self.eps, residual=hidden[score_rows])
@@ -337,3 +357,16 @@ class PagedLlama:
             hidden, down = hidden[logit_rows], down[logit_rows]
         logits = linear(triton_ops.add_rms_norm(down, self.final_norm, self.eps, residual=hidden), self.lm_head)
         return logits if scored is None else (logits, scored)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_group: int | None,
+         residual: torch.Tensor | None = None) -> torch.Tensor | Fp8Activation:
+    """``triton_ops.add_rms_norm``, its rows quantised to FP8 by ``fp8_group`` when not None."""
+    if fp8_group is None:
+        return triton_ops.add_rms_norm(x, weight, eps, residual=residual)
+    return triton_ops.add_rms_norm_fp8(x, weight, eps, fp8_group, residual=residual)
+
+
+def silu_mul(gate_up: torch.Tensor, fp8_group: int | None) -> torch.Tensor | Fp8Activation:
+    """``triton_ops.silu_mul``, its rows quantised to FP8 by ``fp8_group`` when not None."""
+    return triton_ops.silu_mul(gate_up) if fp8_group is None else triton_ops.silu_mul_fp8(gate_up, fp8_group)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fovea.engine.kernels import quant_matmul, triton_ops
+from fovea.engine.kernels import quant_matmul, triton_ops, triton_util
+from fovea.engine.kernels.fp8_activation import Fp8Activation
+from fovea.engine.kernels.fp8_quantize import interpreting, quantize_per_token_group
 from fovea.engine.model.weights import fuse_rows
 from fovea.quant.weights import Fp8Weight, Int4Weight, QuantWeight, dequantized_linear
 
@@ -39,9 +41,13 @@ def torch_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = No
     return dequantized_linear(x, weight, bias)
 
 
-def fused_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
+def fused_linear(x: torch.Tensor | Fp8Activation, weight: Weight, bias: torch.Tensor | None = None,
                  scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """``scratch``: the int4 layers' shared dequantisation buffer (``int4_scratch_elements``)."""
+    """``scratch``: the int4 layers' shared dequantisation buffer (``int4_scratch_elements``). ``x``
+    may come quantised by its producer (``fp8_activation``) for an FP8 weight whose
+    ``fp8_input_group`` it was quantised by."""
+    if isinstance(x, Fp8Activation):
+        return _quantised_input_linear(x, weight, bias)
     if isinstance(weight, torch.Tensor):
         return triton_ops.linear(x, weight, bias)
     if isinstance(weight, Fp8Weight):
@@ -50,6 +56,33 @@ def fused_linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = No
         return quant_matmul.fp8_linear(x, weight.weight, weight.scale, bias)
     return quant_matmul.int4_linear(x, weight.packed, weight.scales, weight.zeros, weight.group, bias,
                                     scratch=scratch)
+
+
+def fp8_input_group(weight: Weight | None, device: torch.device) -> int | None:
+    """The columns a scale of the input that ``fused_linear`` quantises for ``weight`` on ``device``,
+    where the input's producer may quantise it instead (``fp8_activation``): an FP8 weight on a GPU
+    with FP8 products and triton, per token (its K) or per bk-column group (blocks) as its kernels
+    take it, and rows its producer can hold (``triton_ops.fp8_row_fits``); in triton's CPU
+    interpreter too (the tests). None otherwise."""
+    if not isinstance(weight, Fp8Weight):
+        return None
+    if device.type == "cuda":
+        if not (triton_util.available() and quant_matmul.fp8_capable(device)):
+            return None
+    elif not interpreting():
+        return None
+    group = weight.in_features if weight.block is None else weight.block[1]
+    return group if triton_ops.fp8_row_fits(weight.in_features, group) else None
+
+
+def _quantised_input_linear(x: Fp8Activation, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    if not isinstance(weight, Fp8Weight) or x.group != fp8_input_group(weight, x.q.device):
+        raise ValueError(f"activations quantised by groups of {x.group} columns are the input of an FP8 weight "
+                         f"quantising its input so, not of {type(weight).__name__}")
+    if weight.block is None:
+        return quant_matmul.fp8_quantised_product(x.q, x.scale, weight.weight, weight.scale, bias, x.dtype)
+    return quant_matmul.fp8_block_quantised_product(x.q, x.scale, weight.weight, weight.scale, weight.block, bias,
+                                                    x.dtype)
 
 
 def int4_scratch_elements(layers: list, names: tuple[str, ...] = ("qkv", "o", "gate_up", "down")) -> int:
@@ -131,4 +164,52 @@ def quantized_kernels_problem(layers: list, dtype: torch.dtype, device: torch.de
             err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
             if not err <= tolerance:
                 return f"{type(weight).__name__} {name} ({rows} rows): relative error {err:.2e} > {tolerance:.0e}"
+    return None
+
+
+def fp8_producers_problem(layers: list, dtype: torch.dtype, device: torch.device, eps: float = 1e-6) -> str | None:
+    """The start-up check of the producers that quantise FP8 products' inputs (``PagedLlama``'s
+    ``fp8_groups``): on the first layer's shapes, ``add_rms_norm_fp8`` and ``silu_mul_fp8`` against
+    their unfused outputs quantised by ``quantize_per_token_group`` (equal bit for bit), then the
+    q/k/v product of those activations against ``torch_linear`` as ``quantized_kernels_problem``
+    checks it. None when all agree (or no layer takes such inputs), else what disagreed (the engine
+    then keeps the quantiser's launches)."""
+    if not layers:
+        return None
+    first = layers[0]
+    norm_group, down_group = fp8_input_group(first.qkv, device), fp8_input_group(first.down, device)
+    if norm_group is None and down_group is None:
+        return None
+    generator = torch.Generator().manual_seed(1)
+    try:
+        if norm_group is not None:
+            x = torch.randn(3, first.qkv.in_features, generator=generator).to(device, dtype)
+            fused = triton_ops.add_rms_norm_fp8(x, first.in_norm, eps, norm_group)
+            problem = _same_codes("add_rms_norm_fp8", fused, triton_ops.add_rms_norm(x, first.in_norm, eps))
+            if problem:
+                return problem
+            got = fused_linear(fused, first.qkv, first.qkv_bias).float()
+            ref = torch_linear(triton_ops.add_rms_norm(x, first.in_norm, eps), first.qkv, first.qkv_bias).float()
+            err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+            tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # as quantized_kernels_problem's
+            if not err <= tolerance:
+                return f"the q/k/v product of add_rms_norm_fp8's rows: relative error {err:.2e} > {tolerance:.0e}"
+        if down_group is not None:
+            gate_up = torch.randn(3, 2 * first.down.in_features, generator=generator).to(device, dtype)
+            problem = _same_codes("silu_mul_fp8", triton_ops.silu_mul_fp8(gate_up, down_group),
+                                  triton_ops.silu_mul(gate_up))
+            if problem:
+                return problem
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot run here is a disagreement
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _same_codes(name: str, got: Fp8Activation, unfused: torch.Tensor) -> str | None:
+    q, scale = quantize_per_token_group(unfused, got.group)
+    if not torch.equal(got.scale, scale):
+        return f"{name}: scales differ from the quantiser's (max {float((got.scale - scale).abs().max()):.3g})"
+    if not torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)):
+        differ = int((got.q.view(torch.uint8) != q.view(torch.uint8)).sum())
+        return f"{name}: {differ} codes differ from the quantiser's"
     return None

@@ -25,7 +25,7 @@ from fovea.engine.model.attention import (
 )
 from fovea.engine.model.kv_cache import KVCache, KVPlan
 from fovea.engine.model.llama import PagedLlama
-from fovea.engine.model.quant_linear import quantized_kernels_problem
+from fovea.engine.model.quant_linear import fp8_producers_problem, quantized_kernels_problem
 from fovea.engine.runner.cuda_graphs import DecodeBatch, GraphedDecode, capture_sizes
 from fovea.engine.runner.kernel_selfcheck import self_check
 from fovea.engine.runner.staging import resolve_pending
@@ -93,6 +93,13 @@ class ModelRunner:
                             loaded.quantization.label, problem)
                 self.llama.quant_kernels = False
                 self.llama.int4_scratch = None  # the torch path dequantises per call: no shared buffer
+            elif self.llama.fp8_producers:
+                with STARTUP.phase("kernel self-check"):
+                    problem = fp8_producers_problem(self.llama.layers, loaded.dtype, self.device, self.llama.eps)
+                if problem:
+                    log.warning("FP8 activations quantised by their own launches (the producers' quantisation "
+                                "failed its check): %s", problem)
+                    self.llama.fp8_producers = False
         # Dynamic-resolution towers are batched by tokens too: their activation peak grows with
         # the patches of a call, not its image count.
         self.fixed_image_shape = loaded.adapter.fixed_image_shape(loaded.model.config)
