@@ -106,30 +106,26 @@ def longest_loop(sass: str) -> list[str]:
 
 
 def fp8_case(rows: int, config, block_scaled: bool = False) -> tuple[dict, dict, int]:
-    split = config.split_k > 1  # (float32 partials, summed by the last program of a column block)
-    signature = {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "C": "*fp32" if split else "*bf16",
-                 "BIAS": "*bf16", "OUT": "*bf16", "COUNTERS": "*i32", "M": "i32", "N": "i32", "K": "i32",
-                 "k_split": "i32", "splits": "i32", "stride_xm": "i32", "stride_xs": "i32", "stride_wn": "i32",
-                 "stride_ws": "i32", "stride_cs": "i32", "stride_cm": "i32", "stride_om": "i32", "group_n": "i32",
+    signature = {"X": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "C": "*bf16", "BIAS": "*bf16",
+                 "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32", "stride_xs": "i32",
+                 "stride_wn": "i32", "stride_ws": "i32", "stride_cs": "i32", "stride_cm": "i32", "group_n": "i32",
                  "GROUP_K": "constexpr", "ROWS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
                  "EVEN_K": "constexpr", "BLOCK_SCALED": "constexpr", "HAS_BIAS": "constexpr",
-                 "PARTIAL": "constexpr", "SUM_LAST": "constexpr", "PREFETCH": "constexpr"}
+                 "PARTIAL": "constexpr", "PREFETCH": "constexpr"}
     constants = {"PREFETCH": config.prefetch, "GROUP_K": 128 if block_scaled else 1, "ROWS": rows,
                  "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN_K": True,
-                 "BLOCK_SCALED": block_scaled, "HAS_BIAS": False, "PARTIAL": split, "SUM_LAST": split}
+                 "BLOCK_SCALED": block_scaled, "HAS_BIAS": False, "PARTIAL": config.split_k > 1}
     return signature, constants, config.block_n * config.block_k  # weights a loop step streams
 
 
 def int4_case(rows: int, config, group: int) -> tuple[dict, dict, int]:
-    split = config.split_k > 1
-    signature = {"X": "*bf16", "P": "*i32", "S": "*bf16", "Z": "*bf16", "C": "*fp32" if split else "*bf16",
-                 "BIAS": "*bf16", "OUT": "*bf16", "COUNTERS": "*i32", "M": "i32", "N": "i32", "K": "i32",
-                 "k_split": "i32", "splits": "i32", "stride_xm": "i32", "stride_pk": "i32", "stride_sk": "i32",
-                 "stride_zk": "i32", "stride_cs": "i32", "stride_cm": "i32", "stride_om": "i32", "low_mask": "i32",
-                 "high_mask": "i32", "GROUP": "constexpr", "HAS_ZEROS": "constexpr", "HAS_BIAS": "constexpr",
-                 "PARTIAL": "constexpr", "SUM_LAST": "constexpr", "FOLD": "constexpr", "ROWS": "constexpr",
+    signature = {"X": "*bf16", "P": "*i32", "S": "*bf16", "Z": "*bf16", "C": "*bf16", "BIAS": "*bf16",
+                 "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "stride_xm": "i32", "stride_pk": "i32",
+                 "stride_sk": "i32", "stride_zk": "i32", "stride_cs": "i32", "stride_cm": "i32",
+                 "low_mask": "i32", "high_mask": "i32", "GROUP": "constexpr", "HAS_ZEROS": "constexpr",
+                 "HAS_BIAS": "constexpr", "PARTIAL": "constexpr", "FOLD": "constexpr", "ROWS": "constexpr",
                  "BLOCK_N": "constexpr", "PREFETCH": "constexpr"}
-    constants = {"GROUP": group, "HAS_ZEROS": True, "HAS_BIAS": False, "PARTIAL": split, "SUM_LAST": split,
+    constants = {"GROUP": group, "HAS_ZEROS": True, "HAS_BIAS": False, "PARTIAL": config.split_k > 1,
                  "FOLD": True, "ROWS": rows, "BLOCK_N": config.block_n, "PREFETCH": config.prefetch}
     return signature, constants, config.block_n * group
 

@@ -298,9 +298,6 @@ def parse_args(argv):
     p.add_argument("--no-check", action="store_true", help="time only")
     p.add_argument("--sweep", action="store_true", help="also time every candidate configuration")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"a subset of {','.join(IMPLS)}")
-    p.add_argument("--split-sum-launch", action="store_true",
-                   help="matrix-vector products split over K summed by a second launch (split_sum), not by "
-                        "their last programs")
     return p.parse_args(argv)
 
 
@@ -382,8 +379,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.split_sum_launch:
-        quant_gemv.SUM_SPLITS_IN_KERNEL = False
     rows_list = [int(r) for r in args.rows.split(",") if r]
     impls = [i for i in args.impls.split(",") if i]
     if set(impls) - set(IMPLS):

@@ -97,60 +97,6 @@ def test_int4_gemv_equals_the_dequantised_product(dtype, with_zeros):
 
 
 @needs_triton
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
-def test_split_products_are_summed_by_their_last_program(kind, monkeypatch):
-    """Split over K, each column block's last program sums the splits' partials (and the bias) in
-    split order and sets its counter back to zero: the product equals the same split summed by
-    split_sum's second launch (the order of float32 sums apart), launch after launch from the same
-    counters, and where no counters can be had it takes the second launch."""
-    from fovea.engine.kernels import quant_gemv, split_sum
-    from fovea.engine.kernels.quant_gemv import GemvConfig, fp8_gemv, int4_gemv
-
-    n, k = 72, 512
-    x = rand(3, k, seed=40, dtype=torch.bfloat16)
-    bias = rand(n, seed=41, dtype=torch.bfloat16)
-    if kind == "fp8":
-        weight, scale = fp8_weight(n, k, seed=42)
-        config = GemvConfig(16, 32, split_k=5)
-        product = lambda: fp8_gemv(x, weight, scale, bias, torch.bfloat16, config)  # noqa: E731
-    else:
-        packed, scales, zeros, _ = make_int4(k, n, 64, seed=43, with_zeros=True, dtype=torch.bfloat16)
-        config = GemvConfig(16, 8, split_k=5)
-        product = lambda: int4_gemv(x, packed, scales, zeros, 64, bias, config)  # noqa: E731
-    launches = []
-    real_sum = split_sum.sum_splits
-    monkeypatch.setattr(quant_gemv, "sum_splits", lambda *a: launches.append(1) or real_sum(*a))
-    monkeypatch.setattr(split_sum, "COUNTERS", 4 * 5)  # 5 column blocks: the slices go round within 4 launches
-    monkeypatch.setattr(split_sum, "_COUNTERS", {})
-    in_kernel = [product() for _ in range(6)]
-    assert not launches
-    counters = split_sum._COUNTERS[str(x.device)][0]
-    assert counters.shape == (20,) and not counters.any()  # every block's counter back at zero
-    monkeypatch.setattr(quant_gemv, "SUM_SPLITS_IN_KERNEL", False)
-    two_launches = product()
-    assert launches == [1]
-    for got in in_kernel:
-        assert torch.equal(got, in_kernel[0])
-        assert_close_for(got.float(), two_launches.float(), torch.float32, k, storage=torch.bfloat16)
-    monkeypatch.setattr(quant_gemv, "SUM_SPLITS_IN_KERNEL", True)
-    monkeypatch.setattr(quant_gemv, "split_counters", lambda device, programs: None)  # (a capture before any)
-    assert torch.equal(product(), two_launches) and launches == [1, 1]
-
-
-def test_split_counters_are_sliced_round_a_buffer_a_device(monkeypatch):
-    from fovea.engine.kernels import split_sum
-
-    monkeypatch.setattr(split_sum, "COUNTERS", 10)
-    monkeypatch.setattr(split_sum, "_COUNTERS", {})
-    cpu = torch.device("cpu")
-    a, b, c = (split_sum.split_counters(cpu, m) for m in (4, 4, 4))
-    buffer = split_sum._COUNTERS["cpu"][0]
-    starts = [t.data_ptr() - buffer.data_ptr() for t in (a, b, c)]
-    assert starts == [0, 16, 0] and a.shape == b.shape == c.shape == (4,)  # the third wraps: 8 + 4 > 10
-    assert split_sum.split_counters(cpu, 11) is None  # more programs than counters: the second launch
-
-
-@needs_triton
 def test_the_kernels_refuse_what_they_do_not_take():
     from fovea.engine.kernels.quant_gemv import GEMV_MAX_ROWS, GemvConfig, fp8_gemv, int4_gemv
 

@@ -31,28 +31,3 @@ def store_row(C, BIAS, y, row, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS
     c_ptrs = (row * stride_cm + offs_n)[None, :]
     ok = n_ok & ((offs_n * 0 + row) < M)  # (a tensor comparison: the interpreter's row and M may be ints)
     store_tile(C, BIAS, y[None, :], c_ptrs, ok[None, :], offs_n, n_ok, split, stride_cs, HAS_BIAS, PARTIAL)
-
-
-@triton.jit
-def sum_splits_if_last(P, OUT, BIAS, COUNTERS, pid_n, splits, M, offs_n, n_ok, stride_ps, stride_pm, stride_om,
-                       HAS_BIAS: tl.constexpr, ROWS: tl.constexpr):
-    """After a program stored its K split's float32 partials of column block ``pid_n`` into P
-    ([splits, M, N]): the program that stores the block's last partial sums all ``splits`` of them
-    in split order (deterministic, as ``split_sum``'s launch), plus the bias, into OUT's rows in its
-    dtype, and sets the block's counter back to zero for the next launch. This saves the second
-    launch that ``split_sum`` is. The barrier and the acquire-release count make every program's
-    partials visible to the last one; it reads them past L1 (.cg), which another program's
-    stores do not update."""
-    tl.debug_barrier()
-    done = tl.atomic_add(COUNTERS + pid_n, 1, sem="acq_rel", scope="gpu")
-    if done == splits - 1:
-        for row in tl.static_range(ROWS):
-            ok = n_ok & ((offs_n * 0 + row) < M)  # (a tensor comparison, as store_row's)
-            acc = tl.load(P + row * stride_pm + offs_n, mask=ok, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
-                acc += tl.load(P + s * stride_ps + row * stride_pm + offs_n, mask=ok, other=0.0,
-                               cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(OUT + row * stride_om + offs_n, acc.to(OUT.dtype.element_ty), mask=ok)
-        tl.atomic_xchg(COUNTERS + pid_n, 0)

@@ -50,14 +50,10 @@ from dataclasses import dataclass
 import torch
 
 from fovea.engine.kernels.fp8_quantize import quantize_per_token
-from fovea.engine.kernels.split_sum import split_counters, sum_splits
+from fovea.engine.kernels.split_sum import sum_splits
 from fovea.engine.kernels.triton_util import next_pow2
 
 GEMV_MAX_ROWS = 4  # products of at most this many rows may take these kernels
-# Split products summed by their last program of each column block (epilogue.sum_splits_if_last)
-# rather than by split_sum's second launch: one launch a product fewer (bench/quant_matmul.py
-# --split-sum-launch times the other way)
-SUM_SPLITS_IN_KERNEL = True
 MAX_SPLIT_K = 8
 # Where int4_codes.int4_pair finds its two codes once their byte is shifted to bits 15..22 (bit 23 is
 # the exponent's lowest). Passed to the kernel as values, not written in it: as literals, ptxas
@@ -68,7 +64,7 @@ HIGH_CODE_MASK = 0x780000  # bits 19..22: units under 16's
 
 # bound by _kernels() (epilogue, fp8_gemv_parts, int4_codes): module globals, where triton's interpreter
 # looks a kernel's names up
-store_row = sum_splits_if_last = fp8_weights = fp8_activations = fp8_row_sums = None
+store_row = fp8_weights = fp8_activations = fp8_row_sums = None
 int4_pair = int4_exact_pair = int4_start = None
 
 
@@ -103,20 +99,19 @@ def _kernels():
 
     from fovea.engine.kernels import epilogue, fp8_gemv_parts, int4_codes
 
-    global store_row, sum_splits_if_last, fp8_weights, fp8_activations, fp8_row_sums, int4_pair, int4_exact_pair
-    global int4_start
-    store_row, sum_splits_if_last = epilogue.store_row, epilogue.sum_splits_if_last
+    global store_row, fp8_weights, fp8_activations, fp8_row_sums, int4_pair, int4_exact_pair, int4_start
+    store_row = epilogue.store_row
     fp8_weights, fp8_activations = fp8_gemv_parts.fp8_weights, fp8_gemv_parts.fp8_activations
     fp8_row_sums = fp8_gemv_parts.fp8_row_sums
     int4_pair, int4_exact_pair, int4_start = (int4_codes.int4_pair, int4_codes.int4_exact_pair,
                                               int4_codes.int4_start)
 
     @triton.jit
-    def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, OUT, COUNTERS, M, N, K, k_split, splits, stride_xm, stride_xs,
-                        stride_wn, stride_ws, stride_cs, stride_cm, stride_om, group_n, GROUP_K: tl.constexpr,
-                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    def fp8_gemv_kernel(X, XS, W, WS, C, BIAS, M, N, K, k_split, stride_xm, stride_xs, stride_wn, stride_ws,
+                        stride_cs, stride_cm, group_n, GROUP_K: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                         BLOCK_SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                        SUM_LAST: tl.constexpr, PREFETCH: tl.constexpr):
+                        PREFETCH: tl.constexpr):
         # C[m, n] = sum_k xq[m, k] W[n, k] * xs[m] * ws[n]: xq e4m3 activations with their per-row
         # scales xs [M, 1] (the quantiser's), W e4m3 [N, K] with per-channel scales ws [N]. With
         # BLOCK_SCALED, xs is [M, K / GROUP_K] and ws [N / group_n, K / GROUP_K]: a step lies in one K
@@ -190,16 +185,13 @@ def _kernels():
         if ROWS > 3:
             y = fp8_row_sums(acc3, ws, xs3, BLOCK_SCALED)
             store_row(C, BIAS, y, 3, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS_BIAS, PARTIAL)
-        if SUM_LAST:
-            sum_splits_if_last(C, OUT, BIAS, COUNTERS, pid_n, splits, M, offs_n, n_ok, stride_cs, stride_cm,
-                               stride_om, HAS_BIAS, ROWS)
 
     @triton.jit
-    def int4_gemv_kernel(X, P, S, Z, C, BIAS, OUT, COUNTERS, M, N, K, k_split, splits, stride_xm, stride_pk,
-                         stride_sk, stride_zk, stride_cs, stride_cm, stride_om, low_mask, high_mask,
-                         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PARTIAL: tl.constexpr, SUM_LAST: tl.constexpr, FOLD: tl.constexpr, ROWS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+    def int4_gemv_kernel(X, P, S, Z, C, BIAS, M, N, K, k_split, stride_xm, stride_pk, stride_sk, stride_zk,
+                         stride_cs, stride_cm, low_mask, high_mask, GROUP: tl.constexpr,
+                         HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                         FOLD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PREFETCH: tl.constexpr):
         # C[m, n] = sum_k x[m, k] (q[k, n] - z[g, n]) s[g, n], g = k // GROUP; packed [K / 8, N] (bits
         # 4j..4j+3 of row i: k = 8i + j); a group (GROUP / 8 packed rows, a power of 2) per step, and
         # k_split a multiple of GROUP. Every thread keeps float32 sums for its own packed rows and
@@ -291,9 +283,6 @@ def _kernels():
         if ROWS > 3:
             store_row(C, BIAS, tl.sum(acc3, axis=0), 3, M, offs_n, n_ok, split, stride_cs, stride_cm, HAS_BIAS,
                       PARTIAL)
-        if SUM_LAST:
-            sum_splits_if_last(C, OUT, BIAS, COUNTERS, pid_n, splits, M, offs_n, n_ok, stride_cs, stride_cm,
-                               stride_om, HAS_BIAS, ROWS)
 
     return fp8_gemv_kernel, int4_gemv_kernel
 
@@ -359,32 +348,15 @@ def _split(k: int, unit: int, split: int) -> tuple[int, int]:
     return -(-k // per), per
 
 
-@dataclass(frozen=True)
-class _Target:
-    """Where a launch's programs store: ``out`` itself (one split), or float32 ``partials`` [splits,
-    M, N] that the last program of each column block sums (``counters``) or a second launch does."""
-    out: torch.Tensor
-    partials: torch.Tensor
-    counters: torch.Tensor | None
-
-    @property
-    def split(self) -> bool:
-        return self.partials is not self.out
-
-    def kernel_args(self) -> tuple:
-        """The kernel's C, OUT and COUNTERS (placeholders where unused)."""
-        return self.partials, self.out, self.counters if self.counters is not None else self.partials
-
-    def finish(self, bias: torch.Tensor | None) -> None:
-        if self.split and self.counters is None:
-            sum_splits(self.partials, bias, self.out, self.partials.shape[0])
-
-
-def _target(splits: int, out: torch.Tensor, programs: int) -> _Target:
+def _target(splits: int, out: torch.Tensor) -> torch.Tensor:
     if splits == 1:
-        return _Target(out, out, None)
-    partials = torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
-    return _Target(out, partials, split_counters(out.device, programs) if SUM_SPLITS_IN_KERNEL else None)
+        return out
+    return torch.empty((splits, *out.shape), dtype=torch.float32, device=out.device)
+
+
+def _finish(target: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, splits: int) -> None:
+    if splits > 1:
+        sum_splits(target, bias, out, splits)
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -418,19 +390,17 @@ def fp8_gemv_quantised(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
     if rows == 0:
         return out
     splits, per = _split(k, config.block_k, config.split_k)
+    target = _target(splits, out)
     grid = (-(-n // config.block_n), splits)
-    target = _target(splits, out, grid[0])
     group_n, group_k = block if block is not None else (1, 1)  # per channel: no group index is read
-    partials, _, counters = target.kernel_args()
-    _kernels()[0][grid](xq, xs, weight, scale, partials, bias if bias is not None else out, out, counters,
-                        rows, n, k, per, splits, xq.stride(0), xs.stride(0), weight.stride(0),
-                        scale.stride(0) if block is not None else 0, partials.stride(0) if target.split else 0,
-                        partials.stride(-2), out.stride(0), group_n, group_k,
+    _kernels()[0][grid](xq, xs, weight, scale, target, bias if bias is not None else out, rows, n, k, per,
+                        xq.stride(0), xs.stride(0), weight.stride(0), scale.stride(0) if block is not None else 0,
+                        target.stride(0) if splits > 1 else 0, target.stride(-2), group_n, group_k,
                         ROWS=next_pow2(rows), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                         EVEN_K=k % config.block_k == 0 and per % config.block_k == 0,
-                        BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, PARTIAL=target.split,
-                        SUM_LAST=target.counters is not None, PREFETCH=config.prefetch, num_warps=config.num_warps)
-    target.finish(bias)
+                        BLOCK_SCALED=block is not None, HAS_BIAS=bias is not None, PARTIAL=splits > 1,
+                        PREFETCH=config.prefetch, num_warps=config.num_warps)
+    _finish(target, bias, out, splits)
     return out
 
 
@@ -452,16 +422,14 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros
     if rows == 0:
         return out
     splits, per = _split(k, group, config.split_k)
+    target = _target(splits, out)
     grid = (-(-n // config.block_n), splits)
-    target = _target(splits, out, grid[0])
-    partials, _, counters = target.kernel_args()
-    _kernels()[1][grid](x, packed, scales, zeros if zeros is not None else scales, partials,
-                        bias if bias is not None else out, out, counters, rows, n, k, per, splits, x.stride(0),
-                        packed.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0,
-                        partials.stride(0) if target.split else 0, partials.stride(-2), out.stride(0),
-                        LOW_CODE_MASK, HIGH_CODE_MASK, GROUP=group, HAS_ZEROS=zeros is not None,
-                        HAS_BIAS=bias is not None, PARTIAL=target.split, SUM_LAST=target.counters is not None,
-                        FOLD=x.dtype != torch.float32, ROWS=next_pow2(rows), BLOCK_N=config.block_n,
-                        PREFETCH=config.prefetch, num_warps=config.num_warps)
-    target.finish(bias)
+    _kernels()[1][grid](x, packed, scales, zeros if zeros is not None else scales, target,
+                        bias if bias is not None else out, rows, n, k, per, x.stride(0), packed.stride(0),
+                        scales.stride(0), zeros.stride(0) if zeros is not None else 0,
+                        target.stride(0) if splits > 1 else 0, target.stride(-2), LOW_CODE_MASK,
+                        HIGH_CODE_MASK, GROUP=group, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
+                        PARTIAL=splits > 1, FOLD=x.dtype != torch.float32, ROWS=next_pow2(rows),
+                        BLOCK_N=config.block_n, PREFETCH=config.prefetch, num_warps=config.num_warps)
+    _finish(target, bias, out, splits)
     return out

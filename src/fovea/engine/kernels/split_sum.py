@@ -8,7 +8,6 @@ triton is imported lazily, as in the other kernel modules.
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
@@ -46,30 +45,3 @@ def sum_splits(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, s
     _kernel()[(rows, -(-n // BLOCK_N))](ws, bias if bias is not None else out, out, n, splits, ws.stride(0),
                                         ws.stride(1), out.stride(0), HAS_BIAS=bias is not None,
                                         BLOCK_S=max(2, next_pow2(splits)), BLOCK_N=BLOCK_N, num_warps=4)
-
-
-COUNTERS = 1 << 20  # int32 counters a device keeps for launches that sum their own splits (4 MiB)
-_COUNTERS: dict[str, list] = {}  # str(device) -> [the counters, the next launch's first]
-_COUNTERS_LOCK = threading.Lock()
-
-
-def split_counters(device: torch.device, programs: int) -> torch.Tensor | None:
-    """``programs`` counters at zero for one launch whose programs sum their K splits themselves
-    (``epilogue.sum_splits_if_last``, which leaves them at zero again). Launches take consecutive
-    slices of one buffer a device, round and round: slices taken by launches that run one after
-    another on a stream, as a CUDA graph's do, may be taken again; none is shared by launches that
-    run at once unless a million counters lie between them. None where there are none to take:
-    more programs than the buffer, or inside a graph's capture before the device's buffer was made
-    (its zeros would be written only when the graph replays): that launch sums in a second one."""
-    if programs > COUNTERS:
-        return None
-    key = str(device)
-    with _COUNTERS_LOCK:
-        entry = _COUNTERS.get(key)
-        if entry is None:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None
-            entry = _COUNTERS[key] = [torch.zeros(COUNTERS, dtype=torch.int32, device=device), 0]
-        first = entry[1] if entry[1] + programs <= COUNTERS else 0
-        entry[1] = first + programs
-        return entry[0][first:first + programs]
