@@ -34,9 +34,11 @@ from fovea.engine.kernels.triton_util import launch_time, next_pow2
 log = logging.getLogger("fovea.engine.paged")
 
 GEMV_MAX_ROWS = 4  # above this many rows cuBLAS's matrix products win (see --bench)
-MAX_FP8_ROW = 32768  # the widest row a producer quantises to FP8 in its own launch (held in registers)
+MAX_FP8_ROW = 32768  # the widest row a producer quantises to FP8 in its own launch (RMSNorm holds it whole)
+SILU_FP8_CHUNK = 4096  # columns silu_mul_fp8's program takes at a time
 
-store_fp8_groups = None  # bound by _kernels() (fp8_rounding): a module global, where the interpreter looks
+# bound by _kernels() (fp8_rounding): module globals, where the interpreter looks
+store_fp8_groups = quantize_e4m3 = token_scale = None
 
 
 @functools.cache
@@ -46,8 +48,9 @@ def _kernels():
 
     from fovea.engine.kernels import fp8_rounding
 
-    global store_fp8_groups
-    store_fp8_groups = fp8_rounding.store_fp8_groups
+    global store_fp8_groups, quantize_e4m3, token_scale
+    store_fp8_groups, quantize_e4m3, token_scale = (fp8_rounding.store_fp8_groups, fp8_rounding.quantize_e4m3,
+                                                    fp8_rounding.token_scale)
 
     @triton.jit
     def add_rms_norm_kernel(X, R, W, OUT, Q, S, stride_x, stride_r, stride_o, stride_q, stride_s, n_cols, eps,
@@ -67,8 +70,8 @@ def _kernels():
         w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
         out = (y * w).to(OUT.dtype.element_ty)
         if QUANT:  # the normed row in the model dtype, quantised to FP8 for the product that reads it
-            store_fp8_groups(out.to(tl.float32), cols, ok, Q, S, row, stride_q, stride_s, n_cols, min_scale, BLOCK,
-                             GROUP)
+            store_fp8_groups(out.to(tl.float32), cols, ok, Q, S, row, stride_q, stride_s, n_cols, min_scale, 0,
+                             BLOCK, GROUP)
         else:
             tl.store(OUT + row * stride_o + cols, out, mask=ok)
 
@@ -120,19 +123,35 @@ def _kernels():
         tl.store(OUT + row * stride_o + cols, (act * u).to(dt), mask=ok)
 
     @triton.jit
-    def silu_mul_quant_kernel(GU, Q, S, stride_g, stride_q, stride_s, n_cols, min_scale, BLOCK: tl.constexpr,
-                              GROUP: tl.constexpr):
-        # silu_mul_kernel's row, held whole by one program and quantised to FP8 (rounded to the
-        # model dtype first, as the unfused pair rounds it)
+    def silu_mul_quant_kernel(GU, Q, S, stride_g, stride_q, stride_s, n_cols, min_scale, CHUNK: tl.constexpr,
+                              GROUP: tl.constexpr, PER_ROW: tl.constexpr):
+        # silu_mul_kernel's row, by one program a CHUNK at a time, quantised to FP8 (rounded to the
+        # model dtype first, as the unfused pair rounds it). One scale a row (PER_ROW): a pass for
+        # the row's maximum, then the values again and their codes (held whole, a 18944-wide row
+        # spilled its registers: 14 us on an H100); else each chunk holds whole groups: one pass.
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < n_cols
+        offs = tl.arange(0, CHUNK)
         dt = GU.dtype.element_ty
-        g = tl.load(GU + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(GU + row * stride_g + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        y = (act * u).to(dt).to(tl.float32)
-        store_fp8_groups(y, cols, ok, Q, S, row, stride_q, stride_s, n_cols, min_scale, BLOCK, GROUP)
+        amax = tl.zeros([CHUNK], tl.float32)
+        for p in tl.static_range(1 + PER_ROW):
+            if p == 1:
+                scale = token_scale(tl.max(amax, axis=0), min_scale)
+            for start in range(0, n_cols, CHUNK):
+                cols = start + offs
+                ok = cols < n_cols
+                g = tl.load(GU + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+                u = tl.load(GU + row * stride_g + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+                y = (act * u).to(dt).to(tl.float32)
+                if not PER_ROW:
+                    store_fp8_groups(y, cols, ok, Q, S, row, stride_q, stride_s, n_cols, min_scale, start // GROUP,
+                                     CHUNK, GROUP)
+                elif p == 0:
+                    amax = tl.maximum(amax, tl.abs(y))
+                else:
+                    tl.store(Q + row * stride_q + cols, quantize_e4m3(y, scale).to(Q.dtype.element_ty), mask=ok)
+        if PER_ROW:
+            tl.store(S + row * stride_s, scale)
 
     @triton.jit
     def gemv_plain(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -243,15 +262,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def silu_mul_fp8(gate_up: torch.Tensor, group: int) -> Fp8Activation:
     """``silu_mul``, its rows handed on quantised to FP8 as ``add_rms_norm_fp8`` hands its rows on
-    (one program a row, held whole: rows up to ``MAX_FP8_ROW`` columns)."""
+    (one program a row, rows up to ``MAX_FP8_ROW`` columns)."""
     rows, width = gate_up.shape
     inter = width // 2
     lanes = _fp8_lanes(group, inter)
     q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=gate_up.device)
     scale = torch.empty((rows, -(-inter // group)), dtype=torch.float32, device=gate_up.device)
-    block = next_pow2(inter)
+    per_row = group >= inter
+    chunk = min(SILU_FP8_CHUNK, next_pow2(inter)) if per_row else max(lanes, min(SILU_FP8_CHUNK, next_pow2(inter)))
     _kernels()[4][(rows,)](gate_up, q, scale, gate_up.stride(0), q.stride(0), scale.stride(0), inter, MIN_SCALE,
-                           BLOCK=block, GROUP=lanes, num_warps=16 if block >= 16384 else 8 if block >= 4096 else 4)
+                           CHUNK=chunk, GROUP=lanes if not per_row else chunk, PER_ROW=per_row,
+                           num_warps=8 if chunk >= 4096 else 4)
     return Fp8Activation(q, scale, group, gate_up.dtype)
 
 
