@@ -47,15 +47,15 @@ def test_add_rms_norm_fp8_is_the_norm_then_the_quantiser(cols, group, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("chunk", [4096, 128])
+@pytest.mark.parametrize("block", [1024, 128])
 @pytest.mark.parametrize("inter,group", [(300, 300), (384, 128), (1000, 1000), (1000, 64)])
-def test_silu_mul_fp8_is_silu_mul_then_the_quantiser(inter, group, chunk, monkeypatch):
-    """Per token and per group of 128 or 64, the row in one chunk and in several (the last partial);
+def test_silu_mul_fp8_is_silu_mul_then_the_quantiser(inter, group, block, monkeypatch):
+    """Per token and per group of 128 or 64, the row in one block and in several (the last partial);
     the second row all zeros gets the quantiser's smallest scale and zero codes."""
     from fovea.engine.kernels import triton_ops
     from fovea.engine.kernels.triton_ops import silu_mul, silu_mul_fp8
 
-    monkeypatch.setattr(triton_ops, "SILU_FP8_CHUNK", chunk)
+    monkeypatch.setattr(triton_ops, "SILU_FP8_BLOCK", block)
 
     gate_up = rand(2, 2 * inter, seed=4, scale=3.0)
     gate_up[1] = 0

@@ -35,7 +35,7 @@ log = logging.getLogger("fovea.engine.paged")
 
 GEMV_MAX_ROWS = 4  # above this many rows cuBLAS's matrix products win (see --bench)
 MAX_FP8_ROW = 32768  # the widest row a producer quantises to FP8 in its own launch (RMSNorm holds it whole)
-SILU_FP8_CHUNK = 4096  # columns silu_mul_fp8's program takes at a time
+SILU_FP8_BLOCK = 1024  # columns a program of silu_mul_fp8 takes, as silu_mul's
 
 # bound by _kernels() (fp8_rounding): module globals, where the interpreter looks
 store_fp8_groups = quantize_e4m3 = token_scale = None
@@ -123,34 +123,44 @@ def _kernels():
         tl.store(OUT + row * stride_o + cols, (act * u).to(dt), mask=ok)
 
     @triton.jit
-    def silu_mul_quant_kernel(GU, Q, S, stride_g, stride_q, stride_s, n_cols, min_scale, CHUNK: tl.constexpr,
-                              GROUP: tl.constexpr, PER_ROW: tl.constexpr):
-        # silu_mul_kernel's row, by one program a CHUNK at a time, quantised to FP8 (rounded to the
-        # model dtype first, as the unfused pair rounds it). One scale a row (PER_ROW): a pass for
-        # the row's maximum, then the values again and their codes (held whole, a 18944-wide row
-        # spilled its registers: 14 us on an H100); else each chunk holds whole groups: one pass.
+    def silu_mul_fp8_kernel(GU, OUT, AMAX, Q, S, stride_g, stride_o, stride_a, stride_q, stride_s, n_cols,
+                            min_scale, BLOCK: tl.constexpr, GROUP: tl.constexpr, PER_ROW: tl.constexpr):
+        # silu_mul_kernel's block of a row (rounded to the model dtype, as the unfused pair rounds
+        # it) on its way to FP8. Groups of GROUP columns (whole groups a block): their codes and
+        # scales here. One scale a row (PER_ROW): the values in the model dtype and the block's
+        # largest magnitude, which quantise_row_blocks_kernel's programs then combine.
         row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, CHUNK)
+        block = tl.program_id(1)
+        cols = block * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_cols
         dt = GU.dtype.element_ty
-        amax = tl.zeros([CHUNK], tl.float32)
-        for p in tl.static_range(1 + PER_ROW):
-            if p == 1:
-                scale = token_scale(tl.max(amax, axis=0), min_scale)
-            for start in range(0, n_cols, CHUNK):
-                cols = start + offs
-                ok = cols < n_cols
-                g = tl.load(GU + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-                u = tl.load(GU + row * stride_g + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-                y = (act * u).to(dt).to(tl.float32)
-                if not PER_ROW:
-                    store_fp8_groups(y, cols, ok, Q, S, row, stride_q, stride_s, n_cols, min_scale, start // GROUP,
-                                     CHUNK, GROUP)
-                elif p == 0:
-                    amax = tl.maximum(amax, tl.abs(y))
-                else:
-                    tl.store(Q + row * stride_q + cols, quantize_e4m3(y, scale).to(Q.dtype.element_ty), mask=ok)
+        g = tl.load(GU + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_g + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        y = (act * u).to(dt)
         if PER_ROW:
+            tl.store(OUT + row * stride_o + cols, y, mask=ok)
+            tl.store(AMAX + row * stride_a + block, tl.max(tl.abs(y.to(tl.float32)), axis=0))
+        else:
+            store_fp8_groups(y.to(tl.float32), cols, ok, Q, S, row, stride_q, stride_s, n_cols, min_scale,
+                             block * (BLOCK // GROUP), BLOCK, GROUP)
+
+    @triton.jit
+    def quantise_row_blocks_kernel(Y, AMAX, Q, S, stride_y, stride_a, stride_q, stride_s, n_cols, n_blocks,
+                                   min_scale, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
+        # A block of a row quantised with the row's one scale, made from the largest magnitudes of
+        # all its blocks (AMAX [rows, n_blocks]): the quantiser's codes, by as many programs as the
+        # row has blocks instead of one (a single program took 5-7 us on an 18944-column row).
+        row = tl.program_id(0).to(tl.int64)
+        block = tl.program_id(1)
+        parts = tl.arange(0, BLOCKS)
+        amax = tl.max(tl.load(AMAX + row * stride_a + parts, mask=parts < n_blocks, other=0.0), axis=0)
+        scale = token_scale(amax, min_scale)
+        cols = block * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        y = tl.load(Y + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(Q + row * stride_q + cols, quantize_e4m3(y, scale).to(Q.dtype.element_ty), mask=ok)
+        if block == 0:
             tl.store(S + row * stride_s, scale)
 
     @triton.jit
@@ -180,7 +190,8 @@ def _kernels():
         tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
-    return add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel, gemv_plain, silu_mul_quant_kernel
+    return (add_rms_norm_kernel, rope_write_kv_kernel, silu_mul_kernel, gemv_plain, silu_mul_fp8_kernel,
+            quantise_row_blocks_kernel)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -261,18 +272,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul_fp8(gate_up: torch.Tensor, group: int) -> Fp8Activation:
-    """``silu_mul``, its rows handed on quantised to FP8 as ``add_rms_norm_fp8`` hands its rows on
-    (one program a row, rows up to ``MAX_FP8_ROW`` columns)."""
+    """``silu_mul``, its rows handed on quantised to FP8 as ``add_rms_norm_fp8`` hands its rows on.
+    Rows are taken ``SILU_FP8_BLOCK`` columns a program, as ``silu_mul`` takes them: groups that
+    fit a block are quantised there (one launch); one scale a row takes a second launch whose
+    programs each quantise a block with the scale of the blocks' largest magnitudes."""
     rows, width = gate_up.shape
     inter = width // 2
     lanes = _fp8_lanes(group, inter)
     q = torch.empty((rows, inter), dtype=FP8_DTYPE, device=gate_up.device)
     scale = torch.empty((rows, -(-inter // group)), dtype=torch.float32, device=gate_up.device)
     per_row = group >= inter
-    chunk = min(SILU_FP8_CHUNK, next_pow2(inter)) if per_row else max(lanes, min(SILU_FP8_CHUNK, next_pow2(inter)))
-    _kernels()[4][(rows,)](gate_up, q, scale, gate_up.stride(0), q.stride(0), scale.stride(0), inter, MIN_SCALE,
-                           CHUNK=chunk, GROUP=lanes if not per_row else chunk, PER_ROW=per_row,
-                           num_warps=8 if chunk >= 4096 else 4)
+    block = max(lanes, SILU_FP8_BLOCK) if not per_row else SILU_FP8_BLOCK  # (whole groups a block)
+    blocks = -(-inter // block)
+    out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device) if per_row else q
+    amax = torch.empty((rows, blocks), dtype=torch.float32, device=gate_up.device) if per_row else scale
+    kernels = _kernels()
+    kernels[4][(rows, blocks)](gate_up, out, amax, q, scale, gate_up.stride(0), out.stride(0), amax.stride(0),
+                               q.stride(0), scale.stride(0), inter, MIN_SCALE, BLOCK=block,
+                               GROUP=block if per_row else lanes, PER_ROW=per_row, num_warps=4)
+    if per_row:
+        kernels[5][(rows, blocks)](out, amax, q, scale, out.stride(0), amax.stride(0), q.stride(0), scale.stride(0),
+                                   inter, blocks, MIN_SCALE, BLOCK=block, BLOCKS=max(2, next_pow2(blocks)),
+                                   num_warps=4)
     return Fp8Activation(q, scale, group, gate_up.dtype)
 
 
