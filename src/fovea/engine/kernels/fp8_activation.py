@@ -1,15 +1,20 @@
-"""Activations handed to an FP8 product already quantised by the kernel that produced them.
+"""Activations handed to an FP8 product already quantised by the kernels that produced them.
 
 An FP8 checkpoint with dynamic activations (compressed-tensors FP8_DYNAMIC, Qwen's fine-grained
 FP8) quantises each product's input per token, or per token and group of ``bk`` columns, before
-the product. In the fused forward that input comes from a kernel that holds each row whole:
-RMSNorm (the inputs of q/k/v and of gate/up) and SiLU * up (the input of down). Quantising there
-writes the e4m3 codes and scales in the same launch, instead of writing the row in the model
-dtype and launching ``fp8_quantize``'s kernel to read it back: at one row a quantiser's launch
-costs about as much as a small product's (5.5 us on the H200, 2026-12-03), three of the four a
-layer. The codes and scales are bit for bit those that ``quantize_per_token_group`` makes from
-the producer's output in the model dtype (the tests check this in the interpreter, and the
-engine's start-up check on its device), so the products' results do not change.
+the product: a launch of ``fp8_quantize``'s kernel, one program a row, four a layer. In the fused
+forward three of those inputs come from kernels that can hand them on quantised instead:
+
+- RMSNorm (the inputs of q/k/v and of gate/up) holds each row whole and writes the e4m3 codes and
+  the scales in its own launch;
+- SiLU * up (the input of down) takes a row in blocks of many programs: groups that fit a block
+  are quantised there; one scale a row needs the whole row's maximum, so the blocks write their
+  values and largest magnitudes and a second launch, as many programs again, quantises them.
+
+On an H100 this took the 7B shape's FP8 decode from 3.95 to 3.74 ms/token (docs/benchmarks.md,
+2026-12-07). The codes and scales are bit for bit those that ``quantize_per_token_group`` makes
+from the producers' outputs in the model dtype (the tests check this in the interpreter and on
+a GPU, the engine at start-up on its device), so the products' results do not change.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ matrix products, collapsed into one launch each.
 - ``rope_write_kv``: rotary embedding of q and k in the fused qkv buffer, K and V stored
   at their cache slots;
 - ``silu_mul``: SiLU(gate) * up over the fused gate_up buffer;
+- ``add_rms_norm_fp8`` and ``silu_mul_fp8``: the same, their rows handed on quantised to FP8 for
+  an FP8 product (``fp8_activation``: the quantiser's codes bit for bit, without its launch);
 - ``gemv``: x @ W^T for a few rows (decode at small batch), streaming W once at close to
   copy bandwidth where cuBLAS's matrix-vector path stays below it.
 
@@ -150,7 +152,8 @@ def _kernels():
                                    min_scale, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
         # A block of a row quantised with the row's one scale, made from the largest magnitudes of
         # all its blocks (AMAX [rows, n_blocks]): the quantiser's codes, by as many programs as the
-        # row has blocks instead of one (a single program took 5-7 us on an 18944-column row).
+        # row has blocks instead of one (the quantiser's one program a row averaged 5.1 us a launch
+        # at one row on an H100, this 2.4 on the 18944-column row).
         row = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
         parts = tl.arange(0, BLOCKS)
