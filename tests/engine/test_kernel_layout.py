@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ["triton_decode", "triton_prefill", "triton_ops", "qwen_vision_kernels", "vision_kernels",
-           "checksum_kernel", "cases", "fp8_quantize", "split_sum", "quant_gemv", "quant_matmul"]
+           "checksum_kernel", "cases", "fp8_quantize", "fp8_activation", "split_sum", "quant_gemv", "quant_matmul"]
 
 
 def test_the_kernel_modules_import_nothing_above_them():
@@ -15,7 +15,10 @@ def test_the_kernel_modules_import_nothing_above_them():
             "import fovea.engine.kernels.triton_decode, fovea.engine.kernels.triton_prefill, fovea.engine.kernels.triton_ops\n"
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('fovea'))))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["fovea", "fovea.engine", "fovea.engine.kernels", "fovea.engine.kernels.triton_decode",
+    # (triton_ops hands FP8 products their inputs quantised: the quantiser's constants and the
+    # activation's type, kernel modules both)
+    assert out == ["fovea", "fovea.engine", "fovea.engine.kernels", "fovea.engine.kernels.fp8_activation",
+                   "fovea.engine.kernels.fp8_quantize", "fovea.engine.kernels.triton_decode",
                    "fovea.engine.kernels.triton_ops", "fovea.engine.kernels.triton_prefill",
                    "fovea.engine.kernels.triton_util"]
 
