@@ -225,11 +225,10 @@ def fp8_row_fits(cols: int, group: int) -> bool:
 
 
 def _fp8_lanes(group: int, cols: int) -> int:
-    lanes = kernel_group(group, cols) if cols <= MAX_FP8_ROW else None
-    if lanes is None:
+    if not fp8_row_fits(cols, group):
         raise ValueError(f"rows of {cols} columns cannot be quantised by groups of {group} in their producer's "
                          f"launch (a power-of-2 group, or one a row, up to {MAX_FP8_ROW} columns)")
-    return lanes
+    return kernel_group(group, cols)
 
 
 def _add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,

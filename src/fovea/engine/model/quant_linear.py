@@ -71,12 +71,20 @@ def fp8_input_group(weight: Weight | None, device: torch.device) -> int | None:
             return None
     elif not interpreting():
         return None
-    group = weight.in_features if weight.block is None else weight.block[1]
+    group = _activation_group(weight)
     return group if triton_ops.fp8_row_fits(weight.in_features, group) else None
 
 
+def _activation_group(weight: Fp8Weight) -> int:
+    """The columns a scale of the activations an FP8 weight's products quantise: its K (per token)
+    or its blocks' bk."""
+    return weight.in_features if weight.block is None else weight.block[1]
+
+
 def _quantised_input_linear(x: Fp8Activation, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    if not isinstance(weight, Fp8Weight) or x.group != fp8_input_group(weight, x.q.device):
+    # (checked on every call, so the weight's own group: fp8_input_group's device checks were made
+    # once, when the forward planned its producers)
+    if not isinstance(weight, Fp8Weight) or x.group != _activation_group(weight):
         raise ValueError(f"activations quantised by groups of {x.group} columns are the input of an FP8 weight "
                          f"quantising its input so, not of {type(weight).__name__}")
     if weight.block is None:
@@ -151,7 +159,6 @@ def quantized_kernels_problem(layers: list, dtype: torch.dtype, device: torch.de
     weights = {name: w for name, w in (("qkv", first.qkv), ("down", first.down))
                if w is not None and not isinstance(w, torch.Tensor)}
     generator = torch.Generator().manual_seed(0)
-    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # relative, of a sum over K products rounded once
     for name, weight in weights.items():
         row_counts = (3, quant_matmul.INT4_DEQUANT_MIN_ROWS) if isinstance(weight, Int4Weight) else (3,)
         for rows in row_counts:
@@ -160,11 +167,19 @@ def quantized_kernels_problem(layers: list, dtype: torch.dtype, device: torch.de
                 got = fused_linear(x, weight).float()
             except Exception as exc:  # noqa: BLE001 - a kernel that cannot run is a disagreement
                 return f"{type(weight).__name__} {name} ({rows} rows): {type(exc).__name__}: {exc}"
-            ref = torch_linear(x, weight).float()
-            err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
-            if not err <= tolerance:
-                return f"{type(weight).__name__} {name} ({rows} rows): relative error {err:.2e} > {tolerance:.0e}"
+            problem = _product_problem(got, torch_linear(x, weight), dtype)
+            if problem:
+                return f"{type(weight).__name__} {name} ({rows} rows): {problem}"
     return None
+
+
+def _product_problem(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Whether a product agrees with its reference to the output dtype's rounding: a relative error
+    (norm) of a sum over K products rounded once."""
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    got, ref = got.float(), ref.float()
+    err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+    return None if err <= tolerance else f"relative error {err:.2e} > {tolerance:.0e}"
 
 
 def fp8_producers_problem(layers: list, dtype: torch.dtype, device: torch.device, eps: float = 1e-6) -> str | None:
@@ -188,12 +203,11 @@ def fp8_producers_problem(layers: list, dtype: torch.dtype, device: torch.device
             problem = _same_codes("add_rms_norm_fp8", fused, triton_ops.add_rms_norm(x, first.in_norm, eps))
             if problem:
                 return problem
-            got = fused_linear(fused, first.qkv, first.qkv_bias).float()
-            ref = torch_linear(triton_ops.add_rms_norm(x, first.in_norm, eps), first.qkv, first.qkv_bias).float()
-            err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
-            tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # as quantized_kernels_problem's
-            if not err <= tolerance:
-                return f"the q/k/v product of add_rms_norm_fp8's rows: relative error {err:.2e} > {tolerance:.0e}"
+            problem = _product_problem(fused_linear(fused, first.qkv, first.qkv_bias),
+                                       torch_linear(triton_ops.add_rms_norm(x, first.in_norm, eps), first.qkv,
+                                                    first.qkv_bias), dtype)
+            if problem:
+                return f"the q/k/v product of add_rms_norm_fp8's rows: {problem}"
         if down_group is not None:
             gate_up = torch.randn(3, 2 * first.down.in_features, generator=generator).to(device, dtype)
             problem = _same_codes("silu_mul_fp8", triton_ops.silu_mul_fp8(gate_up, down_group),
