@@ -116,6 +116,28 @@ def test_quantize_per_token_rounds_as_torch_casts(dtype):
 
 
 @needs_triton
+def test_the_quotients_are_torch_s_for_scales_that_are_not_powers_of_two():
+    """x / scale rounded once to float32, as torch divides, for 2,048 rows of scales spread over
+    twelve decades: on the GPU the quotient comes from the scale's reciprocal and one correction
+    (``fp8_rounding.correctly_rounded_quotient``), and a quotient one ulp off lands on the other
+    side of an e4m3 tie now and then. The e4m3 ties scaled by 3 and 5/7 make such quotients on
+    purpose; the random rows (~8 million values) find the rest."""
+    from fovea.engine.kernels.fp8_quantize import quantize_per_token
+
+    exact, ties = e4m3_edge_values()
+    edges = torch.cat([exact, ties])
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(2048, 4096, generator=g) * torch.pow(10.0, torch.rand(2048, 1, generator=g) * 12 - 6)
+    rows[0, :edges.numel()] = edges * 3.0
+    rows[1, :edges.numel()] = edges * (5.0 / 7.0)
+    x = rows.to(DEVICE)
+    q, s = quantize_per_token(x)
+    q_ref, s_ref = torch_quant(x, x.shape[1])
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@needs_triton
 def test_quantize_per_token_group_and_the_two_pass_path(monkeypatch):
     from fovea.engine.kernels import fp8_quantize
 
