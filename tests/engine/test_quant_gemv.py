@@ -40,7 +40,8 @@ def test_fp8_gemv_equals_the_quantised_product(rows, out_dtype):
                               (GemvConfig(64, 16, split_k=2), False),
                               (GemvConfig(16, 64, prefetch=True), False),
                               (GemvConfig(8, 32, split_k=3, prefetch=True), True),
-                              (GemvConfig(16, 8, split_k=2, prefetch=True), False)):  # whole steps
+                              (GemvConfig(16, 8, split_k=2, prefetch=True), False),  # whole steps
+                              (GemvConfig(16, 8, split_k=32), True)):  # 25 steps, one a program
         y = fp8_gemv(x, weight, scale, bias if with_bias else None, out_dtype, config)
         ref = exact + (bias.float() if with_bias else 0)
         assert y.dtype == out_dtype and y.shape == (rows, n)
@@ -86,7 +87,8 @@ def test_int4_gemv_equals_the_dequantised_product(dtype, with_zeros):
     for group, rows, config in ((128, 1, GemvConfig(32, 16)), (64, 3, GemvConfig(16, 8, split_k=3)),
                                 (32, 2, GemvConfig(64, 4, split_k=2)),
                                 (64, 1, GemvConfig(16, 8, prefetch=True)),
-                                (32, 3, GemvConfig(16, 4, split_k=3, prefetch=True))):
+                                (32, 3, GemvConfig(16, 4, split_k=3, prefetch=True)),
+                                (32, 2, GemvConfig(16, 4, split_k=32))):  # 16 groups, one a program
         packed, scales, zeros, w = make_int4(k, n, group, seed=20 + group, with_zeros=with_zeros, dtype=dtype)
         x = rand(rows, k, seed=21 + rows, dtype=dtype)
         bias = rand(n, seed=23, dtype=dtype) if rows > 1 else None

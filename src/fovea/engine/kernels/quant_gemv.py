@@ -54,7 +54,10 @@ from fovea.engine.kernels.split_sum import sum_splits
 from fovea.engine.kernels.triton_util import next_pow2
 
 GEMV_MAX_ROWS = 4  # products of at most this many rows may take these kernels
-MAX_SPLIT_K = 8
+# Up to a group (or a step) a program: the small products of a decode step (q/k/v and o, 6-8 MB at
+# 7B) read their weights at ~1 TB/s with 8 splits (each program's steps wait on memory one after
+# another), so the choice also times 16 and 32; their partials are a few hundred KB
+MAX_SPLIT_K = 32
 # Where int4_codes.int4_pair finds its two codes once their byte is shifted to bits 15..22 (bit 23 is
 # the exponent's lowest). Passed to the kernel as values, not written in it: as literals, ptxas
 # re-materialises them before every LOP3 (which takes one immediate): ~0.6 more instructions a
@@ -300,7 +303,7 @@ def fp8_gemv_candidates(rows: int) -> list[GemvConfig]:
     tile = fp8_tile(rows)
     configs = [GemvConfig(16, tile // 16), GemvConfig(16, tile // 16, 2), GemvConfig(16, tile // 16, 4),
                GemvConfig(32, tile // 32, 2), GemvConfig(8, tile // 8, 4), GemvConfig(16, tile // 16, 8)]
-    return with_prefetch(configs, rows)
+    return with_prefetch(configs, rows) + wide_splits(GemvConfig(16, tile // 16))
 
 
 def fp8_block_gemv_candidates(rows: int, block: tuple[int, int]) -> list[GemvConfig]:
@@ -315,7 +318,8 @@ def fp8_block_gemv_candidates(rows: int, block: tuple[int, int]) -> list[GemvCon
     bn = min(widest, fp8_tile(rows) // step)
     return with_prefetch(list(dict.fromkeys(
         [GemvConfig(bn, step), GemvConfig(bn, step, 2), GemvConfig(bn, step, 4), GemvConfig(bn, step, 8),
-         GemvConfig(max(1, bn // 2), step, 4), GemvConfig(max(1, bn // 2), step, 8)])), rows, 2)
+         GemvConfig(max(1, bn // 2), step, 4), GemvConfig(max(1, bn // 2), step, 8)])), rows, 2) \
+        + wide_splits(GemvConfig(bn, step))
 
 
 def int4_group_supported(group: int) -> bool:
@@ -337,7 +341,13 @@ def int4_gemv_candidates(rows: int, group: int) -> list[GemvConfig]:
                GemvConfig(bn // 2, packed_rows, 8)]
     if rows == 1:
         configs.append(GemvConfig(2 * bn, packed_rows, 4))
-    return with_prefetch(configs, rows)
+    return with_prefetch(configs, rows) + wide_splits(GemvConfig(bn // 2, packed_rows))
+
+
+def wide_splits(config: GemvConfig) -> list[GemvConfig]:
+    """``config`` split 16 and 32 ways over K (``MAX_SPLIT_K``; at most a step a program where K is
+    shorter): the candidates for products too small to keep the memory busy otherwise."""
+    return [dataclasses.replace(config, split_k=16), dataclasses.replace(config, split_k=32)]
 
 
 def _split(k: int, unit: int, split: int) -> tuple[int, int]:
