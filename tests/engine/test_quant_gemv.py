@@ -110,6 +110,27 @@ def test_the_kernels_refuse_what_they_do_not_take():
         int4_gemv(rand(1, 64, seed=6), packed, scales, zeros, 32, None, GemvConfig(16, 8))  # 8 rows > 4 a group
 
 
+def test_splits_over_8_are_timed_only_for_products_whose_columns_do_not_fill_the_gpu():
+    """q/k/v, o and down (N 3584-4608 at 7B, 8192-10240 at 72B) are also timed split 16 and 32
+    ways over K; gate/up (N 37888 at 7B) is not, its columns alone make 1,184-2,368 programs."""
+    from fovea.engine.kernels import quant_gemv
+    from fovea.engine.kernels import quant_matmul as qm
+
+    def wide(key):
+        return sorted({c.split_k for c in qm.candidates_for(key)
+                       if isinstance(c, quant_gemv.GemvConfig) and c.split_k > 8})
+
+    for n in (3584, 4608, 10240):
+        assert wide(("fp8", 1, n, 3584, "torch.bfloat16")) == [16, 32]
+        assert wide(("int4", 1, n, 3584, 128, "torch.bfloat16", True)) == [16, 32]
+        assert wide(("fp8-block", 1, n, 3584, "torch.bfloat16", 128, 128)) == [16, 32]
+    for key in (("fp8", 1, 37888, 3584, "torch.bfloat16"), ("int4", 1, 37888, 3584, 128, "torch.bfloat16", True),
+                ("fp8-block", 1, 59136, 8192, "torch.bfloat16", 128, 128)):
+        assert wide(key) == []
+        assert any(isinstance(c, quant_gemv.GemvConfig) for c in qm.candidates_for(key))
+    assert quant_gemv.MAX_SPLIT_K >= 32
+
+
 def test_the_choice_offers_the_matrix_vector_kernels_for_few_rows_only():
     from fovea.engine.kernels import quant_gemv
     from fovea.engine.kernels import quant_matmul as qm

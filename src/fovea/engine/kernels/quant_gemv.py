@@ -58,6 +58,7 @@ GEMV_MAX_ROWS = 4  # products of at most this many rows may take these kernels
 # 7B) read their weights at ~1 TB/s with 8 splits (each program's steps wait on memory one after
 # another), so the choice also times 16 and 32; their partials are a few hundred KB
 MAX_SPLIT_K = 32
+FILLING_PROGRAMS = 1024  # programs of an unsplit grid that keep an H100's or H200's memory busy alone
 # Where int4_codes.int4_pair finds its two codes once their byte is shifted to bits 15..22 (bit 23 is
 # the exponent's lowest). Passed to the kernel as values, not written in it: as literals, ptxas
 # re-materialises them before every LOP3 (which takes one immediate): ~0.6 more instructions a
@@ -348,6 +349,13 @@ def wide_splits(config: GemvConfig) -> list[GemvConfig]:
     """``config`` split 16 and 32 ways over K (``MAX_SPLIT_K``; at most a step a program where K is
     shorter): the candidates for products too small to keep the memory busy otherwise."""
     return [dataclasses.replace(config, split_k=16), dataclasses.replace(config, split_k=32)]
+
+
+def for_columns(configs: list[GemvConfig], n: int) -> list[GemvConfig]:
+    """``configs`` for a product of ``n`` output columns: without the splits over 8 (``wide_splits``)
+    where its columns alone make ``FILLING_PROGRAMS`` programs (gate/up: 2,368 at 7B), so the
+    choice times no candidate that cannot win."""
+    return [c for c in configs if c.split_k <= 8 or -(-n // c.block_n) < FILLING_PROGRAMS]
 
 
 def _split(k: int, unit: int, split: int) -> tuple[int, int]:

@@ -448,13 +448,13 @@ def candidates_for(key: tuple) -> list[Config]:
     gemv = bucket <= quant_gemv.GEMV_MAX_ROWS
     if kind in ("fp8", "fp8-mma", "fp8-quantised") and len(key) == 5:
         extra = quant_gemv.fp8_gemv_candidates(bucket) if gemv and kind != "fp8-mma" else []
-        return fp8_candidates(bucket) + extra
+        return fp8_candidates(bucket) + quant_gemv.for_columns(extra, key[2])
     if kind == "fp8-block" and len(key) == 7:
         extra = quant_gemv.fp8_block_gemv_candidates(bucket, (key[5], key[6])) if gemv else []
-        return fp8_candidates(bucket, _block_k_max(key[6])) + extra
+        return fp8_candidates(bucket, _block_k_max(key[6])) + quant_gemv.for_columns(extra, key[2])
     if kind in ("int4", "int4-mma") and len(key) == 7:
         extra = quant_gemv.int4_gemv_candidates(bucket, key[4]) if gemv and kind == "int4" else []
-        return int4_candidates(bucket, key[4]) + extra
+        return int4_candidates(bucket, key[4]) + quant_gemv.for_columns(extra, key[2])
     raise ValueError(f"not a quantized kernel's choice: {key!r}")
 
 
