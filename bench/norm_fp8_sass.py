@@ -1,0 +1,72 @@
+"""The residual add + RMSNorm kernel, plain and quantising its row to FP8 (``triton_ops``'s
+``add_rms_norm_kernel``, QUANT off and on), compiled for sm_90 by this machine's triton and ptxas:
+its SASS instructions, counted without a GPU, and the registers a thread.
+
+    python3 bench/norm_fp8_sass.py [--cols 3584] [--arch 90]
+
+At one row (batch-1 decode) one SM runs the whole row, so the instructions a value are its time:
+this is the count to read when the e4m3 quantisation step (``fp8_rounding``) changes. A static
+count (every instruction of the kernel once, branches' both sides), not a timing. Exit status 2
+where triton's compiler or its NVIDIA tools are missing (``kernel_sass``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SIGNATURE = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "OUT": "*bf16", "Q": "*fp8e4nv", "S": "*fp32",
+             "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_q": "i32", "stride_s": "i32",
+             "n_cols": "i32", "eps": "fp32", "min_scale": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr",
+             "QUANT": "constexpr", "GROUP": "constexpr"}
+
+
+def opcodes(sass: str) -> list[str]:
+    ops = []
+    for line in sass.splitlines():
+        if "*/" in line and ";" in line:
+            ins = line.split("*/", 1)[1].strip().rstrip(";").strip()
+            if ins.startswith("@"):
+                ins = ins.split(None, 1)[1]
+            ops.append(ins.split()[0])
+    return ops
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cols", type=int, default=3584, help="the row's width (the 7B hidden size)")
+    parser.add_argument("--arch", type=int, default=90)
+    args = parser.parse_args()
+    try:
+        from kernel_sass import compile_kernel, disassemble, resources
+
+        from fovea.engine.kernels import triton_ops
+        from fovea.engine.kernels.triton_util import next_pow2
+        kernel = triton_ops._kernels()[0]
+        block = next_pow2(args.cols)
+        warps = 8 if args.cols >= 4096 else 4  # as triton_ops._add_rms_norm launches it
+        rows = []
+        for quant in (False, True):
+            constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": quant, "GROUP": block if quant else 1}
+            cubin = compile_kernel(kernel, SIGNATURE, constants, warps, args.arch).asm["cubin"]
+            ops = opcodes(disassemble(cubin))
+            top = collections.Counter(ops).most_common(8)
+            rows.append((quant, len(ops), resources(cubin)["regs"], top))
+    except (ImportError, FileNotFoundError) as exc:
+        print(f"cannot compile here: {exc}", file=sys.stderr)
+        return 2
+    print(f"add_rms_norm_kernel, a row of {args.cols} bf16 ({block} lanes, {warps} warps), sm_{args.arch}")
+    for quant, count, regs, top in rows:
+        label = "normed row, then FP8 codes and scale" if quant else "normed row"
+        print(f"  {label:38} {count:5d} instructions  {regs:3d} registers  "
+              + ", ".join(f"{op}:{n}" for op, n in top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
