@@ -37,34 +37,45 @@ def opcodes(sass: str) -> list[str]:
     return ops
 
 
+def norm_counts(cols: int, arch: int) -> dict[bool, tuple[int, int, collections.Counter]]:
+    """{QUANT: (SASS instructions, registers a thread, opcodes counted)} for a row of ``cols``,
+    launched as ``triton_ops._add_rms_norm`` launches it. Raises ImportError or FileNotFoundError
+    where triton or its NVIDIA tools are missing."""
+    from kernel_sass import compile_kernel, disassemble, resources
+
+    from fovea.engine.kernels import triton_ops
+    from fovea.engine.kernels.triton_util import next_pow2
+
+    kernel = triton_ops._kernels()[0]
+    block = next_pow2(cols)
+    counts = {}
+    for quant in (False, True):
+        constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": quant, "GROUP": block if quant else 1}
+        cubin = compile_kernel(kernel, SIGNATURE, constants, norm_warps(cols), arch).asm["cubin"]
+        ops = opcodes(disassemble(cubin))
+        counts[quant] = (len(ops), resources(cubin)["regs"], collections.Counter(ops))
+    return counts
+
+
+def norm_warps(cols: int) -> int:
+    return 8 if cols >= 4096 else 4  # as triton_ops._add_rms_norm launches it
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cols", type=int, default=3584, help="the row's width (the 7B hidden size)")
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     try:
-        from kernel_sass import compile_kernel, disassemble, resources
-
-        from fovea.engine.kernels import triton_ops
-        from fovea.engine.kernels.triton_util import next_pow2
-        kernel = triton_ops._kernels()[0]
-        block = next_pow2(args.cols)
-        warps = 8 if args.cols >= 4096 else 4  # as triton_ops._add_rms_norm launches it
-        rows = []
-        for quant in (False, True):
-            constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": quant, "GROUP": block if quant else 1}
-            cubin = compile_kernel(kernel, SIGNATURE, constants, warps, args.arch).asm["cubin"]
-            ops = opcodes(disassemble(cubin))
-            top = collections.Counter(ops).most_common(8)
-            rows.append((quant, len(ops), resources(cubin)["regs"], top))
+        counts = norm_counts(args.cols, args.arch)
     except (ImportError, FileNotFoundError) as exc:
         print(f"cannot compile here: {exc}", file=sys.stderr)
         return 2
-    print(f"add_rms_norm_kernel, a row of {args.cols} bf16 ({block} lanes, {warps} warps), sm_{args.arch}")
-    for quant, count, regs, top in rows:
+    print(f"add_rms_norm_kernel, a row of {args.cols} bf16 ({norm_warps(args.cols)} warps), sm_{args.arch}")
+    for quant, (count, regs, ops) in counts.items():
         label = "normed row, then FP8 codes and scale" if quant else "normed row"
         print(f"  {label:38} {count:5d} instructions  {regs:3d} registers  "
-              + ", ".join(f"{op}:{n}" for op, n in top))
+              + ", ".join(f"{op}:{n}" for op, n in ops.most_common(8)))
     return 0
 
 
