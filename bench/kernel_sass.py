@@ -95,8 +95,13 @@ def longest_loop(sass: str) -> list[str]:
             for label, start in labels.items():
                 if f"`({label})" in line and i - start > len(best):
                     best = lines[start:i + 1]
+    return opcodes(best)
+
+
+def opcodes(lines: list[str]) -> list[str]:
+    """The opcodes of nvdisasm's instruction lines among ``lines`` (predicates dropped)."""
     ops = []
-    for line in best:
+    for line in lines:
         if "*/" in line and ";" in line:
             ins = line.split("*/", 1)[1].strip().rstrip(";").strip()
             if ins.startswith("@"):

@@ -30,22 +30,11 @@ SIGNATURE = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "OUT": "*bf16", "Q": "*fp
              "QUANT": "constexpr", "GROUP": "constexpr"}
 
 
-def opcodes(sass: str) -> list[str]:
-    ops = []
-    for line in sass.splitlines():
-        if "*/" in line and ";" in line:
-            ins = line.split("*/", 1)[1].strip().rstrip(";").strip()
-            if ins.startswith("@"):
-                ins = ins.split(None, 1)[1]
-            ops.append(ins.split()[0])
-    return ops
-
-
 def norm_counts(cols: int, arch: int) -> dict[bool, tuple[int, int, collections.Counter]]:
     """{QUANT: (SASS instructions, registers a thread, opcodes counted)} for a row of ``cols``,
     launched as ``triton_ops._add_rms_norm`` launches it. Raises ImportError or FileNotFoundError
     where triton or its NVIDIA tools are missing."""
-    from kernel_sass import compile_kernel, disassemble, resources
+    from kernel_sass import compile_kernel, disassemble, opcodes, resources
 
     from fovea.engine.kernels import triton_ops
     from fovea.engine.kernels.triton_util import next_pow2
@@ -56,7 +45,7 @@ def norm_counts(cols: int, arch: int) -> dict[bool, tuple[int, int, collections.
     for quant in (False, True):
         constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": quant, "GROUP": block if quant else 1}
         cubin = compile_kernel(kernel, SIGNATURE, constants, norm_warps(cols), arch).asm["cubin"]
-        ops = opcodes(disassemble(cubin))
+        ops = opcodes(disassemble(cubin).splitlines())
         counts[quant] = (len(ops), resources(cubin)["regs"], collections.Counter(ops))
     return counts
 
