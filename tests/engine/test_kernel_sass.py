@@ -74,4 +74,3 @@ def test_the_tool_counts_a_relayout_when_there_is_one():
                                  {"BLOCK_N": 16, "BLOCK_K": 256}, 4, 90)
     loop = tool.longest_loop(tool.disassemble(kernel.asm["cubin"]))
     assert any(op.startswith(SHARED_MEMORY_OPS) for op in loop), sorted(set(loop))
-
