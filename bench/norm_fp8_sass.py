@@ -10,8 +10,8 @@ count (every instruction of the kernel once, branches' both sides), not a timing
 columns: 1,376 with the row quantised, 344 without (an IEEE division a value, with its range
 check and slow-path call, and the rounding in float32 arithmetic; 2026-12-07). The quotient from
 the scale's reciprocal and the GPU's own rounding cast made it 760, but failed a CUDA test
-(docs/benchmarks.md) and was taken back. Exit status 2
-where triton's compiler or its NVIDIA tools are missing (``kernel_sass``).
+(docs/benchmarks.md) and was taken back. Exit status 2 where triton's compiler or its NVIDIA
+tools are missing (``kernel_sass``).
 """
 
 from __future__ import annotations
@@ -44,14 +44,10 @@ def norm_counts(cols: int, arch: int) -> dict[bool, tuple[int, int, collections.
     counts = {}
     for quant in (False, True):
         constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": quant, "GROUP": block if quant else 1}
-        cubin = compile_kernel(kernel, SIGNATURE, constants, norm_warps(cols), arch).asm["cubin"]
+        cubin = compile_kernel(kernel, SIGNATURE, constants, triton_ops.norm_warps(cols), arch).asm["cubin"]
         ops = opcodes(disassemble(cubin).splitlines())
         counts[quant] = (len(ops), resources(cubin)["regs"], collections.Counter(ops))
     return counts
-
-
-def norm_warps(cols: int) -> int:
-    return 8 if cols >= 4096 else 4  # as triton_ops._add_rms_norm launches it
 
 
 def main() -> int:
@@ -64,6 +60,8 @@ def main() -> int:
     except (ImportError, FileNotFoundError) as exc:
         print(f"cannot compile here: {exc}", file=sys.stderr)
         return 2
+    from fovea.engine.kernels.triton_ops import norm_warps
+
     print(f"add_rms_norm_kernel, a row of {args.cols} bf16 ({norm_warps(args.cols)} warps), sm_{args.arch}")
     for quant, (count, regs, ops) in counts.items():
         label = "normed row, then FP8 codes and scale" if quant else "normed row"

@@ -242,7 +242,12 @@ def _add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     kernel[(rows,)](x, r, weight, out, q if quant else out, scale if quant else out, x.stride(0), r.stride(0),
                     out.stride(0), q.stride(0) if quant else 0, scale.stride(0) if quant else 0, cols, eps, MIN_SCALE,
                     HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(cols), QUANT=quant,
-                    GROUP=group_lanes if quant else 1, num_warps=8 if cols >= 4096 else 4)
+                    GROUP=group_lanes if quant else 1, num_warps=norm_warps(cols))
+
+
+def norm_warps(cols: int) -> int:
+    """Warps of the RMSNorm launch for rows of ``cols`` columns (one program a row)."""
+    return 8 if cols >= 4096 else 4
 
 
 def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
