@@ -7,11 +7,10 @@ its SASS instructions, counted without a GPU, and the registers a thread.
 At one row (batch-1 decode) one SM runs the whole row, so the instructions a value are its time:
 this is the count to read when the e4m3 quantisation step (``fp8_rounding``) changes. A static
 count (every instruction of the kernel once, branches' both sides), not a timing. At 3584
-columns: 1,376 with the row quantised, 344 without (an IEEE division a value, with its range
-check and slow-path call, and the rounding in float32 arithmetic; 2026-12-07). The quotient from
-the scale's reciprocal and the GPU's own rounding cast made it 760, but failed a CUDA test
-(docs/benchmarks.md) and was taken back. Exit status 2 where triton's compiler or its NVIDIA
-tools are missing (``kernel_sass``).
+columns, 2026-12-07: 1,376 with the row quantised by an IEEE division a value (with its range check
+and slow-path call) and the rounding in float32 arithmetic; 792 with the quotient from the scale's
+reciprocal, the zero's sign taken from x, and the GPU's own rounding cast; 344 without the
+quantising. Exit status 2 where triton's compiler or its NVIDIA tools are missing (``kernel_sass``).
 """
 
 from __future__ import annotations
