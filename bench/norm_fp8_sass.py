@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 from pathlib import Path
 
@@ -47,6 +48,27 @@ def norm_counts(cols: int, arch: int) -> dict[bool, tuple[int, int, collections.
         ops = opcodes(disassemble(cubin).splitlines())
         counts[quant] = (len(ops), resources(cubin)["regs"], collections.Counter(ops))
     return counts
+
+
+# y | (x & 0x80000000): ``fp8_rounding.with_sign_of``, one a value (LOP3's truth table 0xf8 is a | (b & c))
+SIGN_MERGE = re.compile(r"LOP3\.LUT \S+, \S+, 0x80000000, \S+, 0xf8,")
+
+
+def sign_merges(cols: int, arch: int) -> tuple[int, int]:
+    """(sign merges, e4m3 values cast) in the quantising kernel's SASS for a row of ``cols``: each
+    value's sign must come from x's bits before its cast (``fp8_rounding.with_sign_of``), so the
+    first is at least the second. Each F2FP.SATFINITE.E4M3 casts two values."""
+    from kernel_sass import compile_kernel, disassemble
+
+    from fovea.engine.kernels import triton_ops
+    from fovea.engine.kernels.triton_util import next_pow2
+
+    block = next_pow2(cols)
+    constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": True, "GROUP": block}
+    cubin = compile_kernel(triton_ops._kernels()[0], SIGNATURE, constants, triton_ops.norm_warps(cols),
+                           arch).asm["cubin"]
+    sass = disassemble(cubin)
+    return len(SIGN_MERGE.findall(sass)), 2 * sass.count("F2FP.SATFINITE.E4M3")
 
 
 def main() -> int:

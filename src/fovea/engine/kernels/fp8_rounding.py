@@ -1,7 +1,7 @@
 """The dynamic FP8 (e4m3) quantisation step as Triton helpers: one value, divided by its scale,
-rounded to e4m3 exactly as torch's cast rounds (in float32 arithmetic first in the CPU interpreter,
-whose cast rounds otherwise: ``ROUND_IN_FLOAT32``). ``fp8_quantize``'s kernel calls it from both its paths, and a
-kernel that quantises its own inputs can call it too.
+rounded to e4m3 exactly as torch's cast rounds (in float32 arithmetic first in the CPU
+interpreter, whose cast rounds otherwise: ``ROUND_IN_FLOAT32``). ``fp8_quantize``'s kernel calls it
+from both its paths, and a kernel that quantises its own inputs can call it too.
 
 This module imports triton at the top, so it is only imported from inside a lazy ``_kernels()``
 builder; a module-level ``@triton.jit`` helper is one the CPU interpreter can call.
