@@ -30,21 +30,28 @@ SIGNATURE = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "OUT": "*bf16", "Q": "*fp
              "QUANT": "constexpr", "GROUP": "constexpr"}
 
 
-def norm_counts(cols: int, arch: int) -> dict[bool, tuple[int, int, collections.Counter]]:
-    """{QUANT: (SASS instructions, registers a thread, opcodes counted)} for a row of ``cols``,
-    launched as ``triton_ops._add_rms_norm`` launches it. Raises ImportError or FileNotFoundError
-    where triton or its NVIDIA tools are missing."""
-    from kernel_sass import compile_kernel, disassemble, opcodes, resources
+def norm_cubin(cols: int, arch: int, quant: bool) -> bytes:
+    """The kernel for a row of ``cols``, plain or quantising, compiled as ``triton_ops._add_rms_norm``
+    launches it. Raises ImportError or FileNotFoundError where triton or its NVIDIA tools are missing."""
+    from kernel_sass import compile_kernel
 
     from fovea.engine.kernels import triton_ops
     from fovea.engine.kernels.triton_util import next_pow2
 
-    kernel = triton_ops._kernels()[0]
     block = next_pow2(cols)
+    constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": quant, "GROUP": block if quant else 1}
+    return compile_kernel(triton_ops._kernels()[0], SIGNATURE, constants, triton_ops.norm_warps(cols),
+                          arch).asm["cubin"]
+
+
+def norm_counts(cols: int, arch: int) -> dict[bool, tuple[int, int, collections.Counter]]:
+    """{QUANT: (SASS instructions, registers a thread, opcodes counted)} for a row of ``cols``
+    (``norm_cubin``)."""
+    from kernel_sass import disassemble, opcodes, resources
+
     counts = {}
     for quant in (False, True):
-        constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": quant, "GROUP": block if quant else 1}
-        cubin = compile_kernel(kernel, SIGNATURE, constants, triton_ops.norm_warps(cols), arch).asm["cubin"]
+        cubin = norm_cubin(cols, arch, quant)
         ops = opcodes(disassemble(cubin).splitlines())
         counts[quant] = (len(ops), resources(cubin)["regs"], collections.Counter(ops))
     return counts
@@ -58,16 +65,9 @@ def sign_merges(cols: int, arch: int) -> tuple[int, int]:
     """(sign merges, e4m3 values cast) in the quantising kernel's SASS for a row of ``cols``: each
     value's sign must come from x's bits before its cast (``fp8_rounding.with_sign_of``), so the
     first is at least the second. Each F2FP.SATFINITE.E4M3 casts two values."""
-    from kernel_sass import compile_kernel, disassemble
+    from kernel_sass import disassemble
 
-    from fovea.engine.kernels import triton_ops
-    from fovea.engine.kernels.triton_util import next_pow2
-
-    block = next_pow2(cols)
-    constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": True, "GROUP": block}
-    cubin = compile_kernel(triton_ops._kernels()[0], SIGNATURE, constants, triton_ops.norm_warps(cols),
-                           arch).asm["cubin"]
-    sass = disassemble(cubin)
+    sass = disassemble(norm_cubin(cols, arch, True))
     return len(SIGN_MERGE.findall(sass)), 2 * sass.count("F2FP.SATFINITE.E4M3")
 
 
