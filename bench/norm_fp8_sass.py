@@ -7,17 +7,17 @@ its SASS instructions, counted without a GPU, and the registers a thread.
 At one row (batch-1 decode) one SM runs the whole row, so the instructions a value are its time:
 this is the count to read when the e4m3 quantisation step (``fp8_rounding``) changes. A static
 count (every instruction of the kernel once, branches' both sides), not a timing. At 3584
-columns: 1,376 with the row quantised, 344 without (an IEEE division a value, with its range
-check and slow-path call, and the rounding in float32 arithmetic; 2026-12-07). The quotient from
-the scale's reciprocal and the GPU's own rounding cast made it 760, but failed a CUDA test
-(docs/benchmarks.md) and was taken back. Exit status 2 where triton's compiler or its NVIDIA
-tools are missing (``kernel_sass``).
+columns, 2026-12-07: 1,376 with the row quantised by an IEEE division a value (with its range check
+and slow-path call) and the rounding in float32 arithmetic; 792 with the quotient from the scale's
+reciprocal, the zero's sign taken from x, and the GPU's own rounding cast; 344 without the
+quantising. Exit status 2 where triton's compiler or its NVIDIA tools are missing (``kernel_sass``).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import re
 import sys
 from pathlib import Path
 
@@ -30,24 +30,45 @@ SIGNATURE = {"X": "*bf16", "R": "*bf16", "W": "*bf16", "OUT": "*bf16", "Q": "*fp
              "QUANT": "constexpr", "GROUP": "constexpr"}
 
 
-def norm_counts(cols: int, arch: int) -> dict[bool, tuple[int, int, collections.Counter]]:
-    """{QUANT: (SASS instructions, registers a thread, opcodes counted)} for a row of ``cols``,
-    launched as ``triton_ops._add_rms_norm`` launches it. Raises ImportError or FileNotFoundError
-    where triton or its NVIDIA tools are missing."""
-    from kernel_sass import compile_kernel, disassemble, opcodes, resources
+def norm_cubin(cols: int, arch: int, quant: bool) -> bytes:
+    """The kernel for a row of ``cols``, plain or quantising, compiled as ``triton_ops._add_rms_norm``
+    launches it. Raises ImportError or FileNotFoundError where triton or its NVIDIA tools are missing."""
+    from kernel_sass import compile_kernel
 
     from fovea.engine.kernels import triton_ops
     from fovea.engine.kernels.triton_util import next_pow2
 
-    kernel = triton_ops._kernels()[0]
     block = next_pow2(cols)
+    constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": quant, "GROUP": block if quant else 1}
+    return compile_kernel(triton_ops._kernels()[0], SIGNATURE, constants, triton_ops.norm_warps(cols),
+                          arch).asm["cubin"]
+
+
+def norm_counts(cols: int, arch: int) -> dict[bool, tuple[int, int, collections.Counter]]:
+    """{QUANT: (SASS instructions, registers a thread, opcodes counted)} for a row of ``cols``
+    (``norm_cubin``)."""
+    from kernel_sass import disassemble, opcodes, resources
+
     counts = {}
     for quant in (False, True):
-        constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT": quant, "GROUP": block if quant else 1}
-        cubin = compile_kernel(kernel, SIGNATURE, constants, triton_ops.norm_warps(cols), arch).asm["cubin"]
+        cubin = norm_cubin(cols, arch, quant)
         ops = opcodes(disassemble(cubin).splitlines())
         counts[quant] = (len(ops), resources(cubin)["regs"], collections.Counter(ops))
     return counts
+
+
+# y | (x & 0x80000000): ``fp8_rounding.with_sign_of``, one a value (LOP3's truth table 0xf8 is a | (b & c))
+SIGN_MERGE = re.compile(r"LOP3\.LUT \S+, \S+, 0x80000000, \S+, 0xf8,")
+
+
+def sign_merges(cols: int, arch: int) -> tuple[int, int]:
+    """(sign merges, e4m3 values cast) in the quantising kernel's SASS for a row of ``cols``: each
+    value's sign must come from x's bits before its cast (``fp8_rounding.with_sign_of``), so the
+    first is at least the second. Each F2FP.SATFINITE.E4M3 casts two values."""
+    from kernel_sass import disassemble
+
+    sass = disassemble(norm_cubin(cols, arch, True))
+    return len(SIGN_MERGE.findall(sass)), 2 * sass.count("F2FP.SATFINITE.E4M3")
 
 
 def main() -> int:

@@ -7,10 +7,12 @@ Each group of ``group`` consecutive columns of a row (the whole row: per token) 
     q     = e4m3(clamp(x / scale, -448, 448))             (round to nearest even)
 
 which is what torch computes for ``(x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)``.
-The kernel rounds to e4m3 itself, in float32 arithmetic, before the cast: the cast then meets
-only exactly representable values, so the result is bit-identical to torch's on the GPU and in
-triton's CPU interpreter (whose own float-to-fp8 conversion rounds ties away and drops the carry
-into the exponent). A zero row gets MIN_SCALE and quantises to zeros.
+The kernel's quotient is made from the scale's reciprocal and one FMA correction, which rounds it
+as the division does (``fp8_rounding.correctly_rounded_quotient``); its cast rounds as torch's on
+the GPU, and in triton's CPU interpreter (whose own float-to-fp8 conversion rounds ties away and
+drops the carry into the exponent) the value is rounded to e4m3 in float32 arithmetic before the
+cast. So the codes are bit-identical to torch's on both. A zero row gets MIN_SCALE and quantises
+to zeros.
 
 triton is imported lazily, as in ``triton_decode``; ``can_run_triton(t)`` says whether a kernel
 can run on ``t``'s device here (CUDA with triton, or the interpreter with TRITON_INTERPRET=1).
@@ -103,7 +105,7 @@ def quantize_groups_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     xf = x.float()
     padded = torch.nn.functional.pad(xf, (0, groups * group - k)).view(rows, groups, group)
     # A tensor divisor: torch's CUDA division by a Python number multiplies by its reciprocal, one
-    # ulp off the true quotient that the kernel (div_rn) and the CPU compute.
+    # ulp off the true quotient that the kernel (its correctly rounded quotient) and the CPU compute.
     scale = (padded.abs().amax(dim=2) / torch.full((), FP8_MAX, device=x.device)).clamp(min=MIN_SCALE)
     expanded = scale.repeat_interleave(group, dim=1)[:, :k]
     q = (xf / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
