@@ -1,5 +1,6 @@
 """The package layout's rules (docs/architecture.md, "Where the code lives"), read from the source:
-nothing outside ``fovea.testing`` imports it, and the structured outputs know no scheduler."""
+nothing outside ``fovea.testing`` imports it, the kernels import nothing else of fovea, and the structured
+outputs know no scheduler."""
 
 import ast
 from pathlib import Path
@@ -32,6 +33,15 @@ def test_nothing_outside_fovea_testing_imports_it():
 def test_the_structured_outputs_know_no_scheduler():
     found = {p.name: within(imported(p), "fovea.engine.core", "fovea.engine.runner", "fovea.engine.engine")
              for p in (SRC / "engine" / "structured").glob("*.py")}
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def test_a_kernel_module_imports_no_engine_objects():
+    """engine/kernels holds the Triton kernels and their launchers only: they take tensors and
+    plain values, so nothing there imports the rest of fovea (the scheduler, the runner, the
+    models), at the top or inside a function, and a kernel can be checked on its own."""
+    found = {p.name: [n for n in within(imported(p), "fovea") if not within({n}, "fovea.engine.kernels")]
+             for p in (SRC / "engine" / "kernels").glob("*.py")}
     assert {k: v for k, v in found.items() if v} == {}
 
 
