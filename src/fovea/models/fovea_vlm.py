@@ -263,6 +263,9 @@ class FoveaVLMProcessor:
 
 
 class FoveaVLMCodec(LlavaCodec):
+    def prepares_pixels(self) -> bool:
+        return False  # its encode runs its own processor whole
+
     def tokenizer_kwargs(self, text: str, template_rendered: bool, options: EncodeOptions) -> dict[str, bool]:
         """As transformers' ``apply_chat_template(tokenize=True)``: a rendered chat is tokenized
         with no special tokens added (a BOS is the template's to write); a raw prompt as the

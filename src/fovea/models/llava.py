@@ -31,6 +31,7 @@ from fovea.models.base import (
     check_placeholders,
     pixel_hash,
 )
+from fovea.models.clip_pixels import PREPARED, clip_pixels, fast_path_supported
 
 RECIPE_FIELDS = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale",
                  "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb")
@@ -63,6 +64,11 @@ class LlavaCodec(PromptCodec):
         ids = out["input_ids"]
         return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
+    def prepares_pixels(self) -> bool:
+        """Whether ``encode`` makes each image's pixels itself (``clip_pixels``) and hands them to the
+        processor ready, which then only expands the placeholders by their size."""
+        return fast_path_supported(self.image_processor)
+
     def encode(self, text: str, images: list[Image.Image], *, template_rendered: bool = True,
                options: EncodeOptions = DEFAULT_OPTIONS) -> EncodedPrompt:
         check_placeholders(text, self.image_token, len(images), template_rendered)
@@ -70,7 +76,12 @@ class LlavaCodec(PromptCodec):
         if images:
             # text_kwargs: transformers' processors take tokenizer arguments there (as keywords
             # they warn, and may stop passing them on).
-            encoded = self.processor(text=text, images=images, return_tensors="pt", text_kwargs=kwargs)
+            if self.prepares_pixels():  # the same pixels, bit for bit (clip_pixels)
+                prepared = [clip_pixels(image, self.image_processor) for image in images]
+                encoded = self.processor(text=text, images=prepared, return_tensors="pt", text_kwargs=kwargs,
+                                         images_kwargs=PREPARED)
+            else:
+                encoded = self.processor(text=text, images=images, return_tensors="pt", text_kwargs=kwargs)
             pixel_values = encoded["pixel_values"].to(dtype=self.dtype)
         else:
             encoded = self.tokenizer(text, return_tensors="pt", **kwargs)
@@ -124,6 +135,22 @@ class LlavaAdapter(ModelAdapter):
         from fovea.models.clip_vision import encode_images
 
         return stacked(functools.partial(encode_images, loaded))
+
+    def preprocessing_problem(self, loaded: Any, images: list[Image.Image]) -> str | None:
+        """None if the codec's pixels for ``images`` (``clip_pixels``, where it takes the processor)
+        equal the image processor's own ``pixel_values`` bit for bit, else how they differ."""
+        if not loaded.codec.prepares_pixels():
+            return None  # the processor runs whole in the codec
+        processor = loaded.codec.image_processor
+        for i, image in enumerate(images):
+            rgb = image.convert("RGB")
+            ours = clip_pixels(rgb, processor)
+            theirs = processor(images=[rgb], return_tensors="pt")["pixel_values"][0].to(torch.float32)
+            if ours.shape != theirs.shape or not torch.equal(ours, theirs):
+                worst = (ours - theirs).abs().max().item() if ours.shape == theirs.shape else float("nan")
+                return (f"probe image {i} ({rgb.width}x{rgb.height}): pixels {tuple(ours.shape)} differing by up to "
+                        f"{worst:.3g} from the processor's {tuple(theirs.shape)}")
+        return None
 
     def fixed_image_shape(self, config: Any) -> tuple[int, ...] | None:
         vision = config.vision_config

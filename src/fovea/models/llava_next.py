@@ -69,6 +69,9 @@ class NewlineHolder(torch.nn.Module):
 
 
 class LlavaNextCodec(LlavaCodec):
+    def prepares_pixels(self) -> bool:
+        return False  # its encode runs its own processor whole
+
     def target_short_side(self) -> int | None:
         # The tile grid and the unpadding follow the image's own size: reducing it first would
         # change the token count and the features. No reduction.
