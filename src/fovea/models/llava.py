@@ -139,9 +139,10 @@ class LlavaAdapter(ModelAdapter):
     def preprocessing_problem(self, loaded: Any, images: list[Image.Image]) -> str | None:
         """None if the codec's pixels for ``images`` (``clip_pixels``, where it takes the processor)
         equal the image processor's own ``pixel_values`` bit for bit, else how they differ."""
-        if not loaded.codec.prepares_pixels():
+        codec = getattr(loaded, "codec", None)  # (an encode worker's vision part has none)
+        if codec is None or not codec.prepares_pixels():
             return None  # the processor runs whole in the codec
-        processor = loaded.codec.image_processor
+        processor = codec.image_processor
         for i, image in enumerate(images):
             rgb = image.convert("RGB")
             ours = clip_pixels(rgb, processor)
