@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fovea.models.qwen_pixels import PatchRecipe, _table
+from fovea.models.qwen_pixels import PatchRecipe, _table, normalisation_fields
 
 # What the processor is told to skip when it is handed these pixels: it then only stacks them and
 # expands each image placeholder by their size, as it does for its own.
@@ -39,23 +39,16 @@ def fast_path_supported(image_processor: Any) -> bool:
     if getattr(image_processor, "backend", None) != "pil" or getattr(image_processor, "do_pad", False):
         return False
     size, crop = getattr(image_processor, "size", None), getattr(image_processor, "crop_size", None)
-    if getattr(image_processor, "do_resize", False) and not (
-            size is not None and getattr(size, "shortest_edge", None) and not getattr(size, "longest_edge", None)):
-        return False
-    if getattr(image_processor, "do_center_crop", False) and not (
-            crop is not None and getattr(crop, "height", None) and getattr(crop, "width", None)):
-        return False
-    return True
+    resize_ok = not getattr(image_processor, "do_resize", False) or (
+        size is not None and bool(getattr(size, "shortest_edge", None)) and not getattr(size, "longest_edge", None))
+    crop_ok = not getattr(image_processor, "do_center_crop", False) or (
+        crop is not None and bool(getattr(crop, "height", None)) and bool(getattr(crop, "width", None)))
+    return resize_ok and crop_ok
 
 
 def normalisation(image_processor: Any) -> PatchRecipe:
     """The processor's rescale and normalisation (a ``PatchRecipe`` whose patch fields go unused)."""
-    def floats(value: Any) -> tuple[float, ...]:
-        return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else (float(value),) * 3
-
-    return PatchRecipe(1, 1, 1, bool(image_processor.do_rescale), float(image_processor.rescale_factor),
-                       bool(image_processor.do_normalize), floats(image_processor.image_mean),
-                       floats(image_processor.image_std))
+    return PatchRecipe(1, 1, 1, **normalisation_fields(image_processor))
 
 
 def clip_pixels(image: Image.Image, image_processor: Any) -> torch.Tensor:
@@ -67,7 +60,9 @@ def clip_pixels(image: Image.Image, image_processor: Any) -> torch.Tensor:
     if image.mode != "RGB":
         raise ValueError(f"a {image.mode} image: fovea decodes images to RGB before the processor")
     if image_processor.do_resize:
-        height, width = get_resize_output_image_size(np.asarray(image), size=image_processor.size.shortest_edge,
+        # (the rule reads only the array's shape: a broadcast view, not a copy of the image)
+        shape_only = np.broadcast_to(np.uint8(0), (image.height, image.width, 3))
+        height, width = get_resize_output_image_size(shape_only, size=image_processor.size.shortest_edge,
                                                       default_to_square=False,
                                                       input_data_format=ChannelDimension.LAST)
         if (width, height) != image.size:  # (PIL returns a copy at the same size)

@@ -105,6 +105,16 @@ def defers_resize(resample: Any) -> bool:
     return resample is not None and int(resample) == int(Image.Resampling.BICUBIC) and matches_pillow()
 
 
+def normalisation_fields(image_processor: Any) -> dict[str, Any]:
+    """The processor's rescale and normalisation, as ``PatchRecipe``'s fields of the same names."""
+    def floats(value: Any) -> tuple[float, ...]:
+        return tuple(float(v) for v in value) if isinstance(value, Sequence) else (float(value),) * 3
+
+    return {"do_rescale": bool(image_processor.do_rescale), "rescale_factor": float(image_processor.rescale_factor),
+            "do_normalize": bool(image_processor.do_normalize), "mean": floats(image_processor.image_mean),
+            "std": floats(image_processor.image_std)}
+
+
 @dataclass(frozen=True)
 class PatchRecipe:
     """What the processor does after the resize, read from the loaded image processor."""
@@ -121,15 +131,10 @@ class PatchRecipe:
 
     @classmethod
     def of(cls, image_processor: Any) -> PatchRecipe:
-        def floats(value: Any) -> tuple[float, ...]:
-            return tuple(float(v) for v in value) if isinstance(value, Sequence) else (float(value),) * 3
-
         return cls(int(image_processor.patch_size), int(image_processor.temporal_patch_size),
-                   int(image_processor.merge_size), bool(image_processor.do_rescale),
-                   float(image_processor.rescale_factor), bool(image_processor.do_normalize),
-                   floats(image_processor.image_mean), floats(image_processor.image_std),
-                   int(Image.Resampling.BICUBIC if getattr(image_processor, "resample", None) is None
-                       else image_processor.resample))
+                   int(image_processor.merge_size), **normalisation_fields(image_processor),
+                   resample=int(Image.Resampling.BICUBIC if getattr(image_processor, "resample", None) is None
+                                else image_processor.resample))
 
     def normalised(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` ([C, ...] uint8) rescaled and normalised as transformers does it in numpy:
