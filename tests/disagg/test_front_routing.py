@@ -334,3 +334,53 @@ def test_the_health_body_gives_waiting_and_kv_free():
     for bad in (b"<html>", body([1]), body({"queue_depth": "x", "kv_free_share": "y"})):
         take_health(worker, bad)
         assert (worker.waiting, worker.kv_free) == (0, None)
+
+
+def test_a_request_cancelled_while_its_worker_works_leaves_no_load_counted():
+    """The client goes away while the front waits on the worker (its task is cancelled): the
+    worker's in-flight count, which routes every later request, is back where it was."""
+    import asyncio
+
+    import httpx
+    from starlette.requests import Request
+
+    from fovea.config import ServerSettings
+    from fovea.front.app import create_front_app
+    from fovea.front.encoders import EncodeFleet
+
+    encoders = EncodeFleet(1, b"key", ())
+    fleet = PdFleet(2, [], encoders.sockets, "internal", b"key")
+    for index, worker in enumerate(fleet.workers):
+        worker.state, worker.child = "ready", PlacedAt(42_000 + index, set())
+
+    async def scenario() -> None:
+        reached = asyncio.Event()
+
+        async def answer(request: httpx.Request) -> httpx.Response:
+            reached.set()
+            await asyncio.sleep(3600)  # a long generation: the client leaves first
+            raise AssertionError("not reached")
+
+        proxy = create_front_app(ServerSettings(topology="e_pd", pd_workers=2), fleet, encoders).state.proxy
+        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(answer))
+        body = chat(PNG)
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")], "scheme": "http",
+                 "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000), "root_path": ""}
+        task = asyncio.create_task(proxy.one(Request(scope, receive)))
+        await asyncio.wait_for(reached.wait(), 30)
+        assert sorted(w.in_flight for w in fleet.workers) == [0, 1]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert [w.in_flight for w in fleet.workers] == [0, 0]
+        await proxy.client.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        encoders.stop()

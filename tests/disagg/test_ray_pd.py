@@ -126,16 +126,32 @@ def test_64_concurrent_requests_answer_as_agg_on_both_nodes_and_the_hand_off_is_
     assert metric(body, "fovea_modality_mismatch_errors_total") == 0
 
 
+def routing_view_idle(front: RayFront) -> str | None:
+    """/metrics once the load the front routes by is nil at every PD worker. Its view of a worker's
+    queue is that worker's last /health, read every second: for up to a second after a burst it may
+    still see a queue, and rightly pass a holder over as overloaded."""
+    body = httpx.get(front.base + "/metrics", headers=AUTH, timeout=30).text
+    loads = [metric(body, name, pd_worker=index) for name in ("fovea_front_pd_in_flight", "fovea_front_pd_waiting")
+             for index in ("0", "1")]
+    return body if not any(loads) else None
+
+
 def test_a_repeated_image_goes_to_the_replica_that_encoded_it(ray_front, demo_model):
     images = [scenes.render(fresh_scene(94_000 + i)) for i in range(2)]
     expected = agg_texts(demo_model, images)
-    hits = metric(httpx.get(ray_front.base + "/metrics", headers=AUTH, timeout=30).text,
-                  "fovea_front_affinity_total", outcome="hit")
+    # (after the 64-request burst above: the affinity rule is asserted for workers the front sees idle)
+    body = wait_for("the front to see its PD workers idle", lambda: routing_view_idle(ray_front), timeout=30)
+    hits = metric(body, "fovea_front_affinity_total", outcome="hit")
     for image, answer in zip(images, expected, strict=True):
         replies = [httpx.post(ray_front.base + "/v1/chat/completions", json=chat(image), headers=AUTH, timeout=120)
                    for _ in range(4)]
         assert [content(r) for r in replies] == [answer] * 4
-        assert len({r.headers["x-fovea-pd-worker"] for r in replies}) == 1  # all four where the first went
+        served = [r.headers["x-fovea-pd-worker"] for r in replies]
+        if len(set(served)) != 1:  # all four where the first went; else show what the front saw
+            body = httpx.get(ray_front.base + "/metrics", headers=AUTH, timeout=30).text
+            seen = {line for line in body.splitlines() if line.startswith(("fovea_front_pd_", "fovea_front_affinity"))}
+            workers = [{k: w.get(k) for k in ("index", "state", "doubted")} for w in health(ray_front)["pd_workers"]]
+            raise AssertionError(f"served by {served}; the front's view now: {sorted(seen)}; workers {workers}")
     body = httpx.get(ray_front.base + "/metrics", headers=AUTH, timeout=30).text
     assert metric(body, "fovea_front_affinity_total", outcome="hit") - hits == 6  # the three repeats of each
 

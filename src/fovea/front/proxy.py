@@ -121,6 +121,12 @@ class Proxy:
                 worker.in_flight -= 1
                 self._count(outcome)
                 return self._failed(worker, route, exc)
+            except BaseException:
+                # Cancelled (the client went away while the worker worked) or a bug: httpx closes the
+                # connection, so the worker drops the request; a count left up would make it look
+                # busier than it is to every later request.
+                worker.in_flight -= 1
+                raise
             self._count(outcome)
             self.metrics.routed.labels(pd_worker=str(worker.index), route=route,
                                        status=str(upstream.status_code)).inc()
