@@ -113,19 +113,17 @@ class Proxy:
             try:
                 upstream = await self._send(worker, request.method, _target(request), body,
                                             self._headers(request.headers.raw), stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout):
+            except BaseException as exc:
+                # No answer: the count goes back whatever the cause. Cancelled (the client went away
+                # while the worker worked) or a bug, httpx closes the connection and the worker drops
+                # the request; a count left up would make it look busier to every later request.
                 worker.in_flight -= 1
-                self.fleet.suspect(worker)
-                continue  # it never got the request
-            except httpx.TransportError as exc:
-                worker.in_flight -= 1
-                self._count(outcome)
-                return self._failed(worker, route, exc)
-            except BaseException:
-                # Cancelled (the client went away while the worker worked) or a bug: httpx closes the
-                # connection, so the worker drops the request; a count left up would make it look
-                # busier than it is to every later request.
-                worker.in_flight -= 1
+                if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    self.fleet.suspect(worker)
+                    continue  # it never got the request
+                if isinstance(exc, httpx.TransportError):
+                    self._count(outcome)
+                    return self._failed(worker, route, exc)
                 raise
             self._count(outcome)
             self.metrics.routed.labels(pd_worker=str(worker.index), route=route,
